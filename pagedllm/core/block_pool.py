@@ -1,0 +1,109 @@
+"""The pool of physical KV blocks: ref counts, the prefix-cache index and the LRU free queue."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class KVBlock:
+    """One physical block of ``block_size`` token slots.
+
+    ``ref_cnt`` counts the requests whose block table holds this block. ``block_hash`` is set while
+    the block is registered in the prefix cache (it holds a full block of known tokens, which are
+    kept in ``token_ids`` to verify a hash hit).
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockPool:
+    """Owns every block of the KV cache.
+
+    Invariants:
+    - a block is in ``free_queue`` iff its ``ref_cnt`` is 0;
+    - the free queue is LRU ordered: blocks are taken from its front and freed blocks are appended
+      at its back, so cached blocks freed long ago are evicted first;
+    - ``cached[h]`` is the block registered under hash ``h``; a free block may stay registered
+      (cached and unreferenced) until it is taken for a new use, which unregisters it.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on cache hits (removing unreferenced ones from the free queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the front of the free queue, evicting their cache entries."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                block.token_ids = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block, given in eviction order (first = evicted first)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block_id} freed with ref_cnt {block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = block
+
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Record a full block under its hash (first writer wins; duplicates stay uncached)."""
+        if not self.enable_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only possible while no block is referenced."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.cached.clear()
+        return True

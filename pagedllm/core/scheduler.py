@@ -1,0 +1,167 @@
+"""Token-centric continuous-batching scheduler with recompute preemption."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    # True when this chunk reaches the end of the request's known tokens (a new token is sampled).
+    needs_sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.needs_sample = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes.
+
+    Queues: ``waiting`` (FCFS; preempted requests re-enter at its front) and ``running`` (in
+    admission order, so the newest is last and is the first to be preempted). A request is in at
+    most one queue; finished and aborted requests are in none and hold no blocks.
+
+    Each step: running requests first (a decode costs 1 token; an unfinished prefill continues in
+    chunks), then waiting requests fill the remaining token budget, under ``max_num_seqs``. When
+    blocks run out, the newest running request is preempted by recompute: its blocks are freed and
+    it goes back to the front of ``waiting`` (its cached full blocks usually survive).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from its queue and free its blocks at once."""
+        assert status.finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                if victim.request_id in scheduled_ids:
+                    # Never take back blocks already promised this step; stop here instead.
+                    victim = request
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            # The current request was preempted; the list shifted, do not advance i.
+
+        # 2. Waiting requests fill the rest (not in a step that had to preempt).
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                computed, num_cached = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(request, num_new, computed):
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = num_cached
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_cached
+                    self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and register newly full blocks in the prefix cache."""
+        for sr in out.scheduled:
+            sr.request.num_computed_tokens += sr.num_tokens
+            self.kv.cache_full_blocks(sr.request)

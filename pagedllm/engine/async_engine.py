@@ -1,0 +1,423 @@
+"""An asyncio front end to the synchronous engine, for the HTTP server.
+
+The :class:`~pagedllm.engine.llm_engine.LLMEngine` is driven by one background thread, the only
+thread that ever touches it. Callers on the event loop hand it commands (add, abort, stop) through a
+thread-safe queue; the thread blocks on that queue while the engine has nothing to do and otherwise
+alternates between applying pending commands and running one engine step. Each request has an
+``asyncio.Queue`` on the caller's loop that the thread feeds with ``loop.call_soon_threadsafe``.
+
+Errors reach the caller instead of being lost: a request the engine rejects (``ValueError`` from
+``add_request``) or a full waiting queue (:class:`QueueFullError`) is raised from
+:meth:`AsyncLLMEngine.add_request`; if the engine thread dies, every pending and future request gets
+an :class:`EngineDeadError`. A caller that stops iterating (a disconnected client, a cancelled task)
+aborts its request, which frees its KV-cache blocks at the next command pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pagedllm.engine.stats import EngineStats
+from pagedllm.metrics import EngineMetrics, StatLogger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class SyncEngine(Protocol):
+    """What the async front end needs from the synchronous engine."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_stats(self) -> EngineStats: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (crashed or shut down); the request cannot be served."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds ``max_queued_requests`` requests."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by the server (for example at the end of a shutdown grace period)."""
+
+
+class _Stream:
+    """The caller-side end of one request: an acceptance future and a queue of outputs.
+
+    Only the loop's thread touches ``accepted`` and ``queue``; the engine thread reaches them through
+    :meth:`deliver` and :meth:`fail`, which go through ``call_soon_threadsafe``.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.accepted: asyncio.Future[None] = loop.create_future()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # Timing, touched by the engine thread only.
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_generated = 0
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def accept(self) -> None:
+        self._call(self._accept_on_loop)
+
+    def _accept_on_loop(self) -> None:
+        if not self.accepted.done():
+            self.accepted.set_result(None)
+
+    def deliver(self, output: RequestOutput) -> None:
+        self._call(self.queue.put_nowait, output)
+
+    def fail(self, exc: BaseException) -> None:
+        """Raise ``exc`` to the caller: from ``add_request`` if not yet accepted, else from iteration."""
+        self._call(self._fail_on_loop, exc)
+
+    def _fail_on_loop(self, exc: BaseException) -> None:
+        if not self.accepted.done():
+            self.accepted.set_exception(exc)
+            # Mark the exception retrieved if the waiter has gone, to avoid an "unretrieved" warning.
+            self.accepted.add_done_callback(lambda f: f.exception())
+        else:
+            self.queue.put_nowait(exc)
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+class AsyncLLMEngine:
+    """Runs a synchronous engine in a background thread and serves it to asyncio callers.
+
+    ``max_queued_requests`` bounds the number of requests waiting to be scheduled (None = unbounded);
+    a request arriving when that many are waiting is refused with :class:`QueueFullError`.
+    """
+
+    def __init__(
+        self,
+        engine: SyncEngine,
+        *,
+        max_queued_requests: int | None = None,
+        metrics: EngineMetrics | None = None,
+        log_stats_interval: float | None = 5.0,
+    ) -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be non-negative, got {max_queued_requests}.")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Streams of requests that are queued or running; guarded by ``_lock``.
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._latest_stats = EngineStats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
+        """Build the synchronous engine from ``config`` and wrap it."""
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_config(config), **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still in flight fail with :class:`EngineDeadError`."""
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """The exception that stopped the engine thread, if it stopped."""
+        return self._dead
+
+    @property
+    def num_active_requests(self) -> int:
+        """Requests accepted or pending acceptance that have not finished or been aborted."""
+        with self._lock:
+            return len(self._streams)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's statistics as of the end of the latest engine-thread iteration."""
+        return self._latest_stats
+
+    # ------------------------------------------------------------------ caller side
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and wait until the engine has accepted it.
+
+        Raises the engine's ``ValueError`` for an invalid request, :class:`QueueFullError` when the
+        waiting queue is full and :class:`EngineDeadError` when the engine is not running. Returns an
+        iterator of the request's cumulative outputs, ending with the finished one; closing or
+        abandoning the iterator early aborts the request.
+        """
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            if self._dead is not None or self._thread is None:
+                raise EngineDeadError(self.dead_message())
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use.")
+            self._streams[request_id] = stream
+            self._commands.put(_Add(stream, prompt, params))
+        try:
+            await stream.accepted
+        except BaseException:
+            self.abort(request_id)
+            raise
+        return self._iterate(stream)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative outputs until it finishes."""
+        outputs = await self.add_request(request_id or self.new_request_id(), prompt, params)
+        async for output in outputs:
+            yield output
+
+    async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                # Outputs are cumulative: when the caller fell behind, only the newest one matters.
+                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine side already dropped the request
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their blocks are freed promptly."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            live = [rid for rid in ids if self._streams.pop(rid, None) is not None]
+            if live and self._dead is None:
+                self._commands.put(_Abort(live))
+
+    def abort_all(self, message: str = "The request was aborted by the server.") -> int:
+        """Abort every request in flight; their callers get :class:`RequestAbortedError`."""
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            if streams and self._dead is None:
+                self._commands.put(_Abort([s.request_id for s in streams]))
+        for s in streams:
+            s.fail(RequestAbortedError(message))
+        return len(streams)
+
+    def dead_message(self) -> str:
+        if self._dead is None:
+            return "The engine is not running."
+        return f"The engine has stopped: {type(self._dead).__name__}: {self._dead}"
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            idle = True
+            while True:
+                busy = engine.has_unfinished_requests()
+                commands = self._next_commands(block=not busy)
+                if self._apply(commands):
+                    break
+                if not engine.has_unfinished_requests():
+                    if commands:
+                        self._record_stats(log=False)
+                    idle = True
+                    continue
+                if idle and self._stat_logger is not None:
+                    self._stat_logger.reset(self._latest_stats)
+                idle = False
+                outputs = engine.step()
+                self._dispatch(outputs)
+                self._record_stats(log=True)
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting callers
+            logger.exception("The engine loop failed; no further requests can be served.")
+            self._fail_everything(exc)
+            return
+        self._fail_everything(None)
+
+    def _next_commands(self, *, block: bool) -> list[_Command]:
+        commands: list[_Command] = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[_Command]) -> bool:
+        """Apply commands in order; returns True when asked to stop."""
+        waiting: int | None = None
+        for cmd in commands:
+            if isinstance(cmd, _Stop):
+                return True
+            if isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_ids)
+                continue
+            stream = cmd.stream
+            with self._lock:
+                if self._streams.get(stream.request_id) is not stream:
+                    continue  # aborted before it reached the engine
+            if self.max_queued_requests is not None:
+                if waiting is None:
+                    waiting = self.engine.get_stats().num_waiting
+                if waiting >= self.max_queued_requests:
+                    self._drop(stream)
+                    stream.fail(
+                        QueueFullError(
+                            f"The server is overloaded: {waiting} requests are already waiting "
+                            f"(max_queued_requests={self.max_queued_requests}). Retry later."
+                        )
+                    )
+                    continue
+            try:
+                self.engine.add_request(stream.request_id, cmd.prompt, cmd.params)
+            except Exception as exc:  # noqa: BLE001 - rejected requests report to their caller
+                self._drop(stream)
+                stream.fail(exc)
+                continue
+            if waiting is not None:
+                waiting += 1
+            stream.accept()
+        return False
+
+    def _drop(self, stream: _Stream) -> None:
+        with self._lock:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if stream is not None and out.finished:
+                    del self._streams[out.request_id]
+            if stream is None:
+                continue  # aborted meanwhile
+            num_generated = sum(len(c.token_ids) for c in out.outputs)
+            if metrics is not None and num_generated > stream.num_generated:
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    metrics.time_to_first_token.observe(now - stream.arrival)
+                elif stream.last_token_time is not None:
+                    metrics.inter_token_latency.observe(now - stream.last_token_time)
+                stream.last_token_time = now
+            stream.num_generated = num_generated
+            stream.deliver(out)
+            if out.finished and metrics is not None:
+                metrics.e2e_request_latency.observe(now - stream.arrival)
+                m = out.metrics
+                if m is not None and m.first_scheduled_time is not None:
+                    metrics.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                elif stream.first_token_time is not None:
+                    metrics.request_queue_time.observe(stream.first_token_time - stream.arrival)
+                for completion in out.outputs:
+                    metrics.record_finished(completion.finish_reason)
+
+    def _record_stats(self, *, log: bool) -> None:
+        stats = self.engine.get_stats()
+        self._latest_stats = stats
+        if self.metrics is not None:
+            self.metrics.record_stats(stats)
+        if log and self._stat_logger is not None:
+            self._stat_logger.maybe_log(stats)
+
+    def _fail_everything(self, exc: BaseException | None) -> None:
+        """Mark the engine dead and fail every request in flight or still in the command queue."""
+        with self._lock:
+            self._dead = exc if exc is not None else EngineDeadError("the engine was shut down")
+            streams = list(self._streams.values())
+            self._streams.clear()
+        message = self.dead_message()
+        for s in streams:
+            s.fail(EngineDeadError(message))

@@ -1,0 +1,273 @@
+"""The synchronous engine: add requests, run steps, get outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.stats import EngineStats
+from pagedllm.model.loader import load_checkpoint
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+
+logger = logging.getLogger("pagedllm")
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV cache manager, the model runner and the output processor.
+
+    Not thread-safe: one thread drives ``add_request``/``step``/``abort_request``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(config.model)
+        self.tokenizer = ckpt.tokenizer
+        self.model_config = ckpt.config
+        self.model_name = config.served_model_name or ckpt.name
+        self.vocab_size = ckpt.config.vocab_size
+        self.eos_token_ids = list(ckpt.config.eos_token_ids)
+        model_max = ckpt.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is larger than the model's limit of {model_max} tokens."
+            )
+        self.max_model_len = config.max_model_len or model_max
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.device)
+        backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(
+            ckpt.config,
+            ckpt.weights,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            device=self.device,
+            dtype=dtype,
+            attention_backend=backend,
+        )
+        del ckpt
+        max_batched = config.max_num_batched_tokens or max(4096, config.max_num_seqs)
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len), self.kv
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        tokens = num_blocks * config.block_size
+        logger.info(
+            "Loaded %s on %s (%s, %s attention) in %.1fs. KV cache: %d blocks x %d tokens = %d tokens "
+            "(%.0f MiB); maximum concurrency for %d-token requests: %.2fx",
+            self.model_name,
+            self.device,
+            str(dtype).removeprefix("torch."),
+            backend,
+            time.perf_counter() - t0,
+            num_blocks,
+            config.block_size,
+            tokens,
+            num_blocks * self.runner.kv_bytes_per_block / 2**20,
+            self.max_model_len,
+            tokens / self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.runner.kv_bytes_per_block
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_elsewhere = total - free
+            budget = int(total * cfg.gpu_memory_utilization) - used_elsewhere - (1 << 30)
+        else:
+            # Enough for max_num_seqs full-length sequences, capped at 1 GiB.
+            blocks_needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+            budget = min(_CPU_DEFAULT_KV_BYTES, blocks_needed * per_block)
+        num = budget // per_block
+        if num < 1:
+            raise ValueError(f"not enough memory for a single KV block ({per_block} bytes).")
+        return int(num)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty.")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty.")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt contains token id {t!r} outside the vocabulary (size {self.vocab_size})."
+                )
+        return None, ids
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises ValueError (changing nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        text, ids = self._tokenize(prompt)
+        params.verify_vocab(self.vocab_size)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs must be at most {self.config.max_logprobs}, got {params.logprobs}."
+            )
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported by this engine build.")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by this engine build.")
+        n_prompt = len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max(max_tokens, 1) > self.max_model_len or max_tokens < 1:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion."
+            )
+        bs = self.config.block_size
+        if -(-(n_prompt + max_tokens) // bs) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {n_prompt} tokens plus max_tokens={max_tokens} needs more KV cache than the "
+                f"engine has ({self.kv.pool.num_blocks} blocks of {bs} tokens)."
+            )
+        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(
+                request_id=child_id,
+                prompt_token_ids=ids,
+                params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                prompt=text,
+                parent_id=request_id,
+                index=i,
+                bad_words_token_ids=bad_words,
+            )
+            children.append(req)
+        self.output_processor.add_request(request_id, text, children)
+        for req in children:
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (by the id given to add_request); their blocks are freed at once."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            child_ids = self.output_processor.child_ids(rid)
+            self.scheduler.abort_requests(child_ids)
+            self.output_processor.remove(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the requests that progressed."""
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        rows, sampled = self.runner.execute(so)
+        for sr in so.scheduled:
+            start = sr.request.num_computed_tokens
+            self.num_prompt_tokens += max(0, min(start + sr.num_tokens, sr.request.num_prompt_tokens) - start)
+        self.scheduler.update_after_step(so)
+        touched: dict[str, None] = {}
+        if sampled is not None:
+            for j, row in enumerate(rows):
+                req = so.scheduled[row].request
+                status = self.output_processor.process_token(
+                    req, sampled.token_ids[j], sampled.sampled_logprobs[j], sampled.logprobs[j]
+                )
+                self.num_generation_tokens += 1
+                if status is not None:
+                    self.scheduler.finish_request(req, status)
+                assert req.parent_id is not None
+                touched[req.parent_id] = None
+        outputs = []
+        for pid in touched:
+            parent = self.output_processor.parents.get(pid)
+            if parent is None:
+                continue
+            outputs.append(parent.output())
+            if parent.finished:
+                self.output_processor.remove(pid)
+        return outputs
+
+    # -- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(),
+            num_kv_blocks=self.kv.pool.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+        )
+
+    def check_idle(self) -> None:
+        """Assert no request is left and every KV block is free (cached or not)."""
+        assert not self.scheduler.has_unfinished_requests(), "requests still queued"
+        assert not self.output_processor.parents, "request state left behind"
+        self.kv.check_idle()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        )
+

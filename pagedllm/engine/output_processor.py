@@ -1,0 +1,174 @@
+"""Turns sampled tokens into request outputs: detokenization, stop checks, n > 1 aggregation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class SequenceState:
+    """Text state of one generated sequence."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    max_stop_len: int = 0
+
+    def visible_text(self) -> str:
+        """The text so far, holding back a possible partial stop string while unfinished."""
+        req = self.request
+        if req.is_finished or self.max_stop_len <= 1 or req.params.include_stop_str_in_output:
+            return self.text
+        hold = self.max_stop_len - 1
+        return self.text[:-hold] if len(self.text) > hold else ""
+
+    def completion(self) -> CompletionOutput:
+        req = self.request
+        reason = req.status.finish_reason if req.is_finished else None
+        return CompletionOutput(
+            index=req.index,
+            text=self.visible_text(),
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=req.logprobs,
+            finish_reason=reason,
+            stop_reason=req.stop_reason,
+        )
+
+
+@dataclass
+class ParentState:
+    """A user request: one prompt and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    children: list[SequenceState] = field(default_factory=list)
+    reported_finished: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.children)
+
+    def output(self) -> RequestOutput:
+        first = self.children[0].request
+        outputs = [c.completion() for c in self.children]
+        outputs.sort(key=lambda o: o.index)
+        metrics = RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min(
+                (c.request.first_token_time for c in self.children if c.request.first_token_time),
+                default=None,
+            ),
+            last_token_time=max(
+                (c.request.last_token_time for c in self.children if c.request.last_token_time),
+                default=None,
+            ),
+            finished_time=time.monotonic() if self.finished else None,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=metrics,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.parents: dict[str, ParentState] = {}
+        self.sequences: dict[str, SequenceState] = {}
+
+    def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
+        first = children[0]
+        parent = ParentState(parent_id, prompt, first.prompt_token_ids, first.arrival_time)
+        for req in children:
+            stops = req.params.stop or []
+            seq = SequenceState(
+                request=req,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+                ),
+                max_stop_len=max((len(s) for s in stops), default=0),
+            )
+            parent.children.append(seq)
+            self.sequences[req.request_id] = seq
+        self.parents[parent_id] = parent
+
+    def remove(self, parent_id: str) -> list[str]:
+        """Forget a request; returns its sequences' ids."""
+        parent = self.parents.pop(parent_id, None)
+        if parent is None:
+            return []
+        ids = [c.request.request_id for c in parent.children]
+        for rid in ids:
+            self.sequences.pop(rid, None)
+        return ids
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def process_token(
+        self, req: Request, token_id: int, logprob: float, top: dict[int, Logprob] | None
+    ) -> RequestStatus | None:
+        """Append a sampled token; returns the finishing status if the sequence is done."""
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        req.append_output_token(token_id)
+        req.cumulative_logprob += logprob
+        if req.logprobs is not None and top is not None:
+            req.logprobs.append(top)
+        seq = self.sequences[req.request_id]
+        params = req.params
+        n_out = req.num_output_tokens
+        min_ok = n_out >= params.min_tokens
+
+        if min_ok and not params.ignore_eos and token_id in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if min_ok and token_id in (params.stop_token_ids or ()):
+            req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+
+        delta = seq.detokenizer.step(token_id)
+        if delta:
+            old_len = len(seq.text)
+            seq.text += delta
+            if min_ok and params.stop:
+                start = max(0, old_len - seq.max_stop_len + 1)
+                hit = _find_stop(seq.text, list(params.stop), start)
+                if hit is not None:
+                    idx, stop = hit
+                    end = idx + len(stop) if params.include_stop_str_in_output else idx
+                    seq.text = seq.text[:end]
+                    req.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """Earliest stop string occurring in ``text`` at or after ``start``."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best

@@ -1,0 +1,21 @@
+"""A snapshot of engine state and counters, read by metrics and logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    """Gauges are current values; counters are totals since the engine started."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests, in [0, 1]
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    prompt_tokens: int = 0  # prompt tokens computed (prefill), total
+    generation_tokens: int = 0  # tokens generated, total

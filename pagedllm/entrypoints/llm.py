@@ -1,0 +1,120 @@
+"""The offline API: ``LLM(model=None, **engine_args).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Offline batched generation on top of :class:`LLMEngine`.
+
+    ``model`` None loads the default model (SmolLM2-135M-Instruct). Keyword arguments are engine
+    arguments (see :class:`pagedllm.config.EngineConfig`).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions; outputs come back in the order of ``prompts``.
+
+        ``prompts`` are strings or token-id lists (a single one may be passed bare).
+        ``sampling_params`` is one for all prompts or one per prompt.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts."
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations (chat template applied)."""
+        conversations: list[list[Message]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        prompts: list[Prompt] = [
+            self.llm_engine.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        out_tokens = 0
+        start = time.perf_counter()
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"output {out_tokens / max(elapsed, 1e-9):.1f} tok/s")
+                        bar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and isinstance(items[0], int):
+        return [items]  # type: ignore[list-item]
+    return items  # type: ignore[return-value]

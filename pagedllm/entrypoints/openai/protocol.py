@@ -1,0 +1,281 @@
+"""Request and response models of the OpenAI-compatible API (OpenAI fields plus vLLM's extras).
+
+Request models accept unknown fields (``extra="allow"``) so that clients sending newer OpenAI fields
+are not refused; the server logs and ignores them (see :attr:`OpenAIBaseModel.unknown_fields`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of every request model: unknown fields are kept aside instead of rejected."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completion and chat requests."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    best_of: int | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """``prompt`` (a completion prompt) or ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int | None = None
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message fragment; fields that are not set are left out of the JSON."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

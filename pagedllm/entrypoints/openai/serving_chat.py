@@ -1,0 +1,226 @@
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    PromptTokenUsageInfo,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    SSEResponse,
+    error_from_exception,
+    logger,
+    run_until_disconnected,
+    sse_error,
+    sse_event,
+    streamable_length,
+)
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _ChoiceState:
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    done: bool = False
+
+
+def _usage(out: RequestOutput | None, prompt_len: int) -> UsageInfo:
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
+    prompt_tokens = len(out.prompt_token_ids) if out is not None else prompt_len
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(
+            cached_tokens=out.num_cached_tokens if out is not None else 0
+        ),
+    )
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handles the chat completions endpoint."""
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
+        self.log_unknown_fields(request)
+        self.check_engine()
+        if request.tools:
+            logger.warning("Ignoring `tools`: tool calling is not supported.")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
+        max_tokens = request.max_tokens
+        if request.max_completion_tokens is not None:
+            max_tokens = request.max_completion_tokens
+            aliases["max_tokens"] = "max_completion_tokens"
+
+        prompt_text = self.render_chat(
+            request.messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+        prompt_ids = self.encode(prompt_text, add_special_tokens=False)
+        max_tokens = self.check_prompt_length(len(prompt_ids), max_tokens, "messages")
+        num_top = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens=max_tokens, logprobs=num_top, aliases=aliases)
+
+        request_id = request.request_id or random_id("chatcmpl")
+        try:
+            outputs = await self.engine.add_request(request_id, prompt_ids, params)
+        except Exception as exc:
+            self.engine.abort(request_id)
+            raise error_from_exception(exc, aliases) from None
+        except BaseException:
+            self.engine.abort(request_id)
+            raise
+
+        created = int(time.time())
+        if request.stream:
+            return SSEResponse(
+                self._stream(request, request_id, created, params, len(prompt_ids), outputs),
+                on_close=lambda: self.engine.abort(request_id),
+            )
+        try:
+            completed, final = await run_until_disconnected(raw_request, self._collect(outputs))
+        except Exception as exc:
+            raise error_from_exception(exc, aliases) from None
+        finally:
+            self.engine.abort(request_id)
+        if not completed or final is None:
+            return Response(status_code=499)
+        return JSONResponse(self._response(request, request_id, created, final).model_dump())
+
+    @staticmethod
+    async def _collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        final: RequestOutput | None = None
+        async for out in outputs:
+            final = out
+        assert final is not None
+        return final
+
+    def _response(
+        self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = None
+            if request.logprobs:
+                logprobs = ChatCompletionLogProbs(
+                    content=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
+                )
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(role="assistant", content=c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(final, len(final.prompt_token_ids)),
+        )
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        params: SamplingParams,
+        prompt_len: int,
+        outputs: AsyncIterator[RequestOutput],
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = include_usage and bool(
+            request.stream_options and request.stream_options.continuous_usage_stats
+        )
+        stop: list[str] = params.stop  # type: ignore[assignment]
+        latest: RequestOutput | None = None
+
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            body = ChatCompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                choices=[choice],
+                usage=_usage(latest, prompt_len) if continuous else None,
+            )
+            return sse_event(body.model_dump_json())
+
+        try:
+            for i in range(request.n):
+                yield chunk(
+                    ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content="")
+                    )
+                )
+            states = [_ChoiceState() for _ in range(request.n)]
+            async for out in outputs:
+                latest = out
+                for c in out.outputs:
+                    st = states[c.index]
+                    if st.done:
+                        continue
+                    finished = c.finish_reason is not None
+                    end = streamable_length(c.text, finished, stop)
+                    delta = c.text[st.sent_chars : end] if end > st.sent_chars else ""
+                    new_tokens = c.token_ids[st.sent_tokens :]
+                    logprobs = None
+                    if request.logprobs and new_tokens:
+                        logprobs = ChatCompletionLogProbs(
+                            content=self.chat_logprobs(
+                                new_tokens, (c.logprobs or [])[st.sent_tokens :], request.top_logprobs or 0
+                            )
+                        )
+                    st.sent_tokens = len(c.token_ids)
+                    if not (delta or finished or logprobs is not None):
+                        continue
+                    st.sent_chars = max(st.sent_chars, end)
+                    st.done = finished
+                    yield chunk(
+                        ChatCompletionResponseStreamChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=delta),
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason if finished else None,
+                            stop_reason=c.stop_reason if finished else None,
+                        )
+                    )
+            if include_usage:
+                final = ChatCompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=_usage(latest, prompt_len),
+                )
+                yield sse_event(final.model_dump_json())
+        except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started
+            yield sse_error(error_from_exception(exc))
+        yield SSE_DONE

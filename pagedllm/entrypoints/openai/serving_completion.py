@@ -1,0 +1,296 @@
+"""``POST /v1/completions``: one or several prompts (text or token ids), streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    PromptTokenUsageInfo,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    SSEResponse,
+    error_from_exception,
+    merge_async_iterators,
+    run_until_disconnected,
+    sse_error,
+    sse_event,
+    streamable_length,
+)
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class _ChoiceState:
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    text_offset: int = 0
+    echoed: bool = False
+    done: bool = False
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handles the legacy completions endpoint."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
+        self.log_unknown_fields(request)
+        self.check_engine()
+        if request.suffix:
+            raise OpenAIError("suffix is not supported.", param="suffix")
+        prompts = self._prompts(request)
+        aliases: dict[str, str] = {}
+        params: list[SamplingParams] = []
+        for p in prompts:
+            max_tokens = self.check_prompt_length(len(p.token_ids), request.max_tokens, "prompt")
+            params.append(
+                self.sampling_params(
+                    request,
+                    max_tokens=max_tokens,
+                    logprobs=request.logprobs,
+                    prompt_logprobs=request.prompt_logprobs,
+                    aliases=aliases,
+                )
+            )
+
+        base_id = request.request_id or random_id("cmpl")
+        request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        iterators: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for rid, p, sp in zip(request_ids, prompts, params, strict=True):
+                iterators.append(await self.engine.add_request(rid, p.token_ids, sp))
+        except Exception as exc:
+            self.engine.abort(request_ids)
+            raise error_from_exception(exc, aliases) from None
+        except BaseException:
+            self.engine.abort(request_ids)
+            raise
+
+        created = int(time.time())
+        if request.stream:
+            return SSEResponse(
+                self._stream(request, base_id, created, prompts, params, iterators),
+                on_close=lambda: self.engine.abort(request_ids),
+            )
+        try:
+            completed, finals = await run_until_disconnected(raw_request, self._collect(iterators))
+        except Exception as exc:
+            raise error_from_exception(exc, aliases) from None
+        finally:
+            self.engine.abort(request_ids)
+        if not completed or finals is None:
+            return Response(status_code=499)
+        response = self._response(request, base_id, created, prompts, finals)
+        return JSONResponse(response.model_dump())
+
+    # ------------------------------------------------------------------ prompts
+
+    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        raw = request.prompt
+        items: list[str | list[int]]
+        if isinstance(raw, str):
+            items = [raw]
+        elif not raw:
+            raise OpenAIError("prompt must not be empty.", param="prompt")
+        elif all(isinstance(x, int) for x in raw):
+            items = [list(raw)]  # type: ignore[arg-type]
+        else:
+            items = list(raw)  # type: ignore[arg-type]
+        vocab_size = int(self.engine.engine.vocab_size)
+        prompts: list[_Prompt] = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(
+                    _Prompt(item, self.encode(item, add_special_tokens=request.add_special_tokens))
+                )
+                continue
+            bad = next((t for t in item if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise OpenAIError(
+                    f"prompt contains out-of-vocab token id {bad} (vocab size {vocab_size}).", param="prompt"
+                )
+            prompts.append(_Prompt(None, list(item)))
+        return prompts
+
+    def _prompt_text(self, prompt: _Prompt, output: RequestOutput | None = None) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        if output is not None and output.prompt is not None:
+            return output.prompt
+        return str(self.tokenizer.decode(prompt.token_ids))
+
+    # ------------------------------------------------------------------ full response
+
+    @staticmethod
+    async def _collect(iterators: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(iterators)
+        async for i, out in merge_async_iterators(*iterators):
+            finals[i] = out
+        assert all(f is not None for f in finals)
+        return finals  # type: ignore[return-value]
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        prompts: list[_Prompt],
+        finals: list[RequestOutput],
+    ) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        for pi, (prompt, out) in enumerate(zip(prompts, finals, strict=True)):
+            prompt_text = self._prompt_text(prompt, out) if request.echo else ""
+            for c in out.outputs:
+                logprobs = None
+                if request.logprobs is not None:
+                    token_ids, steps = self._logprob_steps(
+                        request, prompt, out, c.token_ids, c.logprobs, True
+                    )
+                    logprobs = self.completion_logprobs(token_ids, steps, request.logprobs, 0)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=pi * request.n + c.index,
+                        text=prompt_text + c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda ch: ch.index)
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=self._usage(finals)
+        )
+
+    @staticmethod
+    def _logprob_steps(
+        request: CompletionRequest,
+        prompt: _Prompt,
+        out: RequestOutput,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob]] | None,
+        with_prompt: bool,
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        steps: list[dict[int, Logprob] | None] = list(logprobs or [])
+        if not (request.echo and with_prompt):
+            return token_ids, steps
+        prompt_steps: list[dict[int, Logprob] | None] = list(out.prompt_logprobs or [])
+        prompt_steps += [None] * (len(prompt.token_ids) - len(prompt_steps))
+        return prompt.token_ids + token_ids, prompt_steps[: len(prompt.token_ids)] + steps
+
+    @staticmethod
+    def _usage(outputs: list[RequestOutput]) -> UsageInfo:
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(
+                cached_tokens=sum(o.num_cached_tokens for o in outputs)
+            ),
+        )
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        prompts: list[_Prompt],
+        params: list[SamplingParams],
+        iterators: list[AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[str]:
+        states: dict[int, _ChoiceState] = {}
+        latest: dict[int, RequestOutput] = {}
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = include_usage and bool(
+            request.stream_options and request.stream_options.continuous_usage_stats
+        )
+        try:
+            async for pi, out in merge_async_iterators(*iterators):
+                latest[pi] = out
+                prompt = prompts[pi]
+                stop = params[pi].stop  # type: ignore[assignment]
+                for c in out.outputs:
+                    index = pi * request.n + c.index
+                    st = states.setdefault(index, _ChoiceState())
+                    if st.done:
+                        continue
+                    finished = c.finish_reason is not None
+                    end = streamable_length(c.text, finished, stop)  # type: ignore[arg-type]
+                    delta = c.text[st.sent_chars : end] if end > st.sent_chars else ""
+                    new_tokens = c.token_ids[st.sent_tokens :]
+                    echo_text = ""
+                    if request.echo and not st.echoed:
+                        echo_text = self._prompt_text(prompt, out)
+                    logprobs: CompletionLogProbs | None = None
+                    if request.logprobs is not None and (new_tokens or not st.echoed):
+                        token_ids, steps = self._logprob_steps(
+                            request,
+                            prompt,
+                            out,
+                            new_tokens,
+                            (c.logprobs or [])[st.sent_tokens :],
+                            not st.echoed,
+                        )
+                        logprobs = self.completion_logprobs(
+                            token_ids, steps, request.logprobs, st.text_offset
+                        )
+                        if logprobs.tokens:
+                            st.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    st.echoed = True
+                    st.sent_tokens = len(c.token_ids)
+                    if not (delta or echo_text or finished or (logprobs is not None and logprobs.tokens)):
+                        continue
+                    st.sent_chars = max(st.sent_chars, end)
+                    st.done = finished
+                    chunk = CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[
+                            CompletionResponseChoice(
+                                index=index,
+                                text=echo_text + delta,
+                                logprobs=logprobs,
+                                finish_reason=c.finish_reason if finished else None,
+                                stop_reason=c.stop_reason if finished else None,
+                            )
+                        ],
+                        usage=self._usage(list(latest.values())) if continuous else None,
+                    )
+                    yield sse_event(chunk.model_dump_json())
+            if include_usage:
+                final = CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=self._usage([latest[i] for i in sorted(latest)]),
+                )
+                yield sse_event(final.model_dump_json())
+        except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started
+            yield sse_error(error_from_exception(exc))
+        yield SSE_DONE

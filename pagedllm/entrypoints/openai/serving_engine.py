@@ -1,0 +1,495 @@
+"""What the OpenAI endpoints share: errors, model checks, prompt handling, sampling parameters,
+logprob formatting, client-disconnect handling and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbsContent,
+    ChatMessage,
+    CompletionLogProbs,
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIBaseModel,
+    SamplingRequest,
+)
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
+
+T = TypeVar("T")
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {
+    "prompt",
+    "messages",
+    "suffix",
+    "echo",
+    "top_logprobs",
+    "max_completion_tokens",
+    "stream_options",
+    "response_format",
+    "request_id",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's error object and an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_body().model_dump(), status_code=self.status_code)
+
+
+def context_length_error(
+    max_model_len: int, prompt_len: int, max_tokens: int | None, param: str
+) -> OpenAIError:
+    if max_tokens is None:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    return OpenAIError(message, param=param, code="context_length_exceeded")
+
+
+def error_from_exception(exc: BaseException, param_aliases: dict[str, str] | None = None) -> OpenAIError:
+    """Translate an exception from request validation or the engine into an :class:`OpenAIError`."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(str(exc), status_code=503, type="server_error", code="queue_full")
+    if isinstance(exc, RequestAbortedError):
+        return OpenAIError(str(exc), status_code=503, type="server_error", code="request_aborted")
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(str(exc), status_code=500, type="server_error", code="engine_dead")
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        if message.startswith("This model's maximum context length"):
+            param = (param_aliases or {}).get("prompt", "prompt")
+            return OpenAIError(message, param=param, code="context_length_exceeded")
+        return OpenAIError(message, param=param_from_message(message, param_aliases))
+    logger.error("Internal error while serving a request", exc_info=exc)
+    return OpenAIError(
+        f"Internal server error: {type(exc).__name__}: {exc}", status_code=500, type="server_error", code=None
+    )
+
+
+def param_from_message(message: str, aliases: dict[str, str] | None = None) -> str | None:
+    """The request field a validation message names first (``"top_p must be ..."`` -> ``top_p``)."""
+    head = message.split(None, 1)[0].rstrip(":.,") if message.strip() else ""
+    head = head.split(".", 1)[0]
+    if head not in _SAMPLING_FIELDS:
+        return None
+    return (aliases or {}).get(head, head)
+
+
+def _finite(x: float) -> float:
+    """JSON has no infinities: clamp log probabilities as OpenAI does."""
+    if math.isnan(x):
+        return -9999.0
+    return max(x, -9999.0)
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    """Yield ``(index, item)`` from several async iterators as items become available."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    pending: dict[asyncio.Future[T], int] = {
+        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnected(request: Request, awaitable: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run ``awaitable`` unless the client goes away first, in which case it is cancelled.
+
+    Returns ``(completed, result)``. Only for handlers whose request body has been read already.
+    """
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-events response that runs ``on_close`` however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse_event(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(err: OpenAIError) -> str:
+    return sse_event(err.to_body().model_dump_json())
+
+
+def private_tokenizer(tokenizer: Any) -> Any:
+    """A copy of the engine's tokenizer for the event loop's thread.
+
+    The engine thread detokenizes with its own tokenizer while requests are tokenized here; a fast
+    tokenizer must not be used by two threads at once.
+    """
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as exc:  # noqa: BLE001 - an uncopyable tokenizer is shared instead
+        logger.warning("Could not copy the tokenizer (%s); sharing the engine's.", exc)
+        return tokenizer
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers, bound to one engine and its served model names.
+
+    ``tokenizer`` (default: the engine's) is used on the event loop's thread only.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: list[str],
+        *,
+        max_logprobs: int = 20,
+        tokenizer: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_logprobs = max_logprobs
+        self.tokenizer = tokenizer if tokenizer is not None else engine.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.engine.max_model_len)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model in self.served_model_names:
+            return
+        raise OpenAIError(
+            f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
+        )
+
+    def log_unknown_fields(self, request: OpenAIBaseModel) -> None:
+        if request.unknown_fields:
+            logger.warning(
+                "Ignoring unknown request fields of %s: %s", type(request).__name__, request.unknown_fields
+            )
+
+    def check_engine(self) -> None:
+        if not self.engine.is_running:
+            raise error_from_exception(EngineDeadError(self.engine.dead_message()))
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Render messages with the model's chat template (content parts are joined by newlines)."""
+        if not messages:
+            raise OpenAIError("messages must contain at least one message.", param="messages")
+        if add_generation_prompt and continue_final_message:
+            raise OpenAIError(
+                "continue_final_message and add_generation_prompt cannot both be true; set "
+                "add_generation_prompt to false to continue the final message.",
+                param="continue_final_message",
+            )
+        conversation: list[dict[str, Any]] = []
+        for i, msg in enumerate(messages):
+            content = msg.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise OpenAIError(
+                            f"Only text content parts are supported, got type {part.type!r}.",
+                            param=f"messages[{i}].content",
+                        )
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
+            if msg.name is not None:
+                entry["name"] = msg.name
+            conversation.append(entry)
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise OpenAIError("This model has no chat template; use /v1/completions.", param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
+            raise OpenAIError(f"Could not apply the chat template: {exc}", param="messages") from None
+        return str(text)
+
+    def check_prompt_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        """Resolve ``max_tokens`` (default: the rest of the context) and check the total fits."""
+        if prompt_len == 0:
+            raise OpenAIError("The prompt must not be empty.", param=param)
+        if max_tokens is None:
+            if prompt_len >= self.max_model_len:
+                raise context_length_error(self.max_model_len, prompt_len, None, param)
+            return self.max_model_len - prompt_len
+        if max_tokens >= 1 and prompt_len + max_tokens > self.max_model_len:
+            raise context_length_error(self.max_model_len, prompt_len, max_tokens, param)
+        return max_tokens
+
+    # ------------------------------------------------------------------ sampling
+
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        aliases: dict[str, str] | None = None,
+    ) -> SamplingParams:
+        """Build SamplingParams; invalid values become 400 errors naming the request field."""
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and value > self.max_logprobs:
+                raise OpenAIError(
+                    f"{(aliases or {}).get(name, name)} must be at most {self.max_logprobs}, got {value}.",
+                    param=(aliases or {}).get(name, name),
+                )
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true.", param="stream_options")
+        try:
+            structured = self._structured_outputs(request)
+            return SamplingParams(
+                n=request.n,
+                best_of=request.best_of,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                seed=request.seed,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                logit_bias=dict(request.logit_bias) if request.logit_bias else None,  # type: ignore[arg-type]
+                bad_words=request.bad_words,
+                allowed_token_ids=request.allowed_token_ids,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                structured_outputs=structured,
+            )
+        except (ValueError, TypeError) as exc:
+            message = str(exc)
+            raise OpenAIError(message, param=param_from_message(message, aliases)) from None
+
+    @staticmethod
+    def _structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
+        if request.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams(**request.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        fmt = request.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (fmt.json_schema or {}).get("schema")
+        if schema is None:
+            raise ValueError("response_format: json_schema.schema is required for type json_schema")
+        return StructuredOutputsParams(json=schema)
+
+    # ------------------------------------------------------------------ logprobs
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return str(self.tokenizer.decode([token_id]))
+
+    def completion_logprobs(
+        self,
+        token_ids: list[int],
+        step_logprobs: Iterable[dict[int, Logprob] | None],
+        num_top: int,
+        initial_offset: int,
+    ) -> CompletionLogProbs:
+        """The legacy completions logprobs object for ``token_ids`` (missing steps give nulls)."""
+        out = CompletionLogProbs()
+        offset = initial_offset
+        steps = list(step_logprobs)
+        for i, token_id in enumerate(token_ids):
+            step = steps[i] if i < len(steps) else None
+            sampled = step.get(token_id) if step else None
+            token = self.token_text(token_id, sampled)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if step is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
+            top: dict[str, float] = {}
+            for tid, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0):
+                if tid == token_id or (lp.rank is not None and lp.rank <= num_top):
+                    top[self.token_text(tid, lp)] = _finite(lp.logprob)
+            out.top_logprobs.append(top)
+        return out
+
+    def chat_logprobs(
+        self, token_ids: list[int], step_logprobs: list[dict[int, Logprob]] | None, num_top: int
+    ) -> list[ChatCompletionLogProbsContent]:
+        """The chat logprobs ``content`` entries for ``token_ids``."""
+        content: list[ChatCompletionLogProbsContent] = []
+        steps = step_logprobs or []
+        for i, token_id in enumerate(token_ids):
+            step = steps[i] if i < len(steps) else {}
+            sampled = step.get(token_id)
+            token = self.token_text(token_id, sampled)
+            top = [
+                ChatCompletionLogProb(
+                    token=(text := self.token_text(tid, lp)),
+                    logprob=_finite(lp.logprob),
+                    bytes=list(text.encode("utf-8", errors="replace")),
+                )
+                for tid, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0)
+                if lp.rank is not None and 1 <= lp.rank <= num_top
+            ][:num_top]
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token,
+                    logprob=_finite(sampled.logprob) if sampled is not None else -9999.0,
+                    bytes=list(token.encode("utf-8", errors="replace")),
+                    top_logprobs=top,
+                )
+            )
+        return content
+
+
+def streamable_length(text: str, finished: bool, stop: list[str] | None) -> int:
+    """How much of a cumulative output text can be streamed without ever taking it back.
+
+    While a request runs, a tail that could still grow into a stop string (which the final text
+    leaves out) and a trailing replacement character (an incomplete UTF-8 sequence) are held back.
+    """
+    if finished:
+        return len(text)
+    end = len(text)
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    held = 0
+    for s in stop or []:
+        for k in range(min(len(s) - 1, end), held, -1):
+            if text.endswith(s[:k], 0, end):
+                held = k
+                break
+    return end - held

@@ -1,0 +1,193 @@
+"""Prometheus metrics of the serving engine and a periodic throughput log line.
+
+Every metric lives in the ``CollectorRegistry`` of its :class:`EngineMetrics`, so several engines (or
+tests) in one process never collide, and all names carry the ``pagedllm:`` prefix. Gauges and the
+token/preemption/prefix-cache counters are fed from :class:`~pagedllm.engine.stats.EngineStats`
+snapshots (counters advance by the difference to the previous snapshot); per-request latencies are
+observed by the async engine from its own timestamps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from pagedllm.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pagedllm:"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EngineMetrics:
+    """The engine's Prometheus metrics, labelled with the served model name."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        self.num_requests_running = Gauge(
+            PREFIX + "num_requests_running", "Number of requests in the running batch.", labels, registry=reg
+        ).labels(model_name)
+        self.num_requests_waiting = Gauge(
+            PREFIX + "num_requests_waiting",
+            "Number of requests waiting to be scheduled.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.kv_cache_usage_perc = Gauge(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction of KV-cache blocks held by requests (1 = full).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prefill tokens computed.", labels, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg
+        ).labels(model_name)
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished completions, by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        for reason in ("stop", "length"):
+            self._request_success.labels(model_name, reason)
+        self.num_preemptions = Counter(
+            PREFIX + "num_preemptions", "Requests preempted to free KV-cache blocks.", labels, registry=reg
+        ).labels(model_name)
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=reg
+        ).labels(model_name)
+
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between successive token deliveries of a request.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the end of a finished request.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+
+        self._last_stats = EngineStats()
+
+    def record_stats(self, stats: EngineStats) -> None:
+        """Set the gauges and advance the counters by the change since the previous snapshot."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        last = self._last_stats
+        for counter, new, old in (
+            (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
+            (self.generation_tokens, stats.generation_tokens, last.generation_tokens),
+            (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
+            (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+            (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+        ):
+            if new > old:
+                counter.inc(new - old)
+        self._last_stats = stats
+
+    def record_finished(self, finish_reason: str | None) -> None:
+        """Count one finished completion (one of a request's ``n``)."""
+        self._request_success.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class StatLogger:
+    """Logs throughput, queue and cache state at most once per ``interval`` seconds."""
+
+    def __init__(self, interval: float = 5.0, log: logging.Logger | None = None) -> None:
+        self.interval = interval
+        self._log = log or logger
+        self._last_time = time.monotonic()
+        self._last = EngineStats()
+
+    def maybe_log(self, stats: EngineStats, now: float | None = None) -> bool:
+        """Log one line if ``interval`` has passed since the previous one; returns whether it logged."""
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_time
+        if elapsed < self.interval:
+            return False
+        last = self._last
+        prompt_tput = (stats.prompt_tokens - last.prompt_tokens) / elapsed
+        gen_tput = (stats.generation_tokens - last.generation_tokens) / elapsed
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        hit_rate = 100.0 * hits / queries if queries > 0 else 0.0
+        self._log.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            prompt_tput,
+            gen_tput,
+            stats.num_running,
+            stats.num_waiting,
+            100.0 * stats.kv_cache_usage,
+            hit_rate,
+        )
+        self._last_time = now
+        self._last = stats
+        return True
+
+    def reset(self, stats: EngineStats, now: float | None = None) -> None:
+        """Start a new interval at ``now`` (used when the engine wakes from idle)."""
+        self._last_time = time.monotonic() if now is None else now
+        self._last = stats

@@ -1,0 +1,86 @@
+"""Building blocks of decoder-only transformers: RMSNorm, rotary embedding, SwiGLU."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the pre-norm block's add-then-normalise."""
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (the "rotate half" layout of HF Llama), cos/sin cached per position."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
+        elif rope_type == "linear":
+            inv_freq = inv_freq / (scaling or {})["factor"]
+        elif rope_type not in ("default", None):
+            raise ValueError(f"Unsupported rope scaling type {rope_type!r}.")
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D]."""
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral; Qwen2 with qkv bias; Qwen3 with q/k RMSNorm).
+
+The forward runs over a flat batch of tokens from many requests. Attention layers write the new K/V
+into the paged cache and read history through block tables (see ``pagedllm.attention.base``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class ForwardContext:
+    """What attention layers need for one forward: batch metadata, caches and the backend."""
+
+    def __init__(
+        self,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+    ) -> None:
+        self.meta = meta
+        self.kv_caches = kv_caches
+        self.backend = backend
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
+        o = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(positions, h, rotary, ctx)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, self.rotary, ctx)
+        assert residual is not None
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up projections."""
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor, offset: int | None = None) -> None:
+            p = params[name]
+            if offset is None:
+                if p.shape != tensor.shape:
+                    raise ValueError(f"weight {name}: expected shape {tuple(p.shape)}, got {tuple(tensor.shape)}")
+                p.copy_(tensor)
+            else:
+                p[offset : offset + tensor.shape[0]].copy_(tensor)
+            seen.add(name)
+
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            # Re-tie: moving the module between devices may have split the shared parameter.
+            self.lm_head.weight = self.embed_tokens.weight
+            params = dict(self.named_parameters())
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q_size),
+            "v_proj": ("qkv_proj", q_size + kv_size),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size),
+        }
+        for hf_name, tensor in weights.items():
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, offset = fused[parts[-2]]
+                put(".".join(parts[:-2] + [target, parts[-1]]), tensor, offset)
+            elif name in params:
+                put(name, tensor)
+            else:
+                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        missing = set(params) - seen
+        if cfg.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")

@@ -1,0 +1,131 @@
+"""Tokenizer loading for Hugging Face directories and GGUF files.
+
+Converting a GGUF file's embedded vocabulary into a fast tokenizer takes transformers several
+seconds, so the converted tokenizer is saved (``save_pretrained``) under a per-user cache directory
+and reloaded from there afterwards. The cache key covers the file's absolute path, size and
+modification time plus the transformers version; entries are published atomically (written to a
+temporary directory, then renamed), so concurrent processes never see a half-written entry.
+
+The cache root is ``$PAGEDLLM_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/pagedllm`` (default
+``~/.cache/pagedllm``); tokenizers live in its ``tokenizers/`` subdirectory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# Written last into a cache entry; an entry without it is ignored.
+_COMPLETE_MARKER = "pagedllm_cache.json"
+
+
+def cache_root() -> Path:
+    """The root of pagedllm's on-disk cache."""
+    explicit = os.environ.get("PAGEDLLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pagedllm"
+
+
+def gguf_tokenizer_cache_dir(gguf_path: str) -> Path:
+    """Where the converted tokenizer of ``gguf_path`` is (or would be) cached."""
+    path = os.path.abspath(gguf_path)
+    st = os.stat(path)
+    key_src = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:24]
+    return cache_root() / "tokenizers" / key
+
+
+def convert_gguf_tokenizer(gguf_path: str) -> PreTrainedTokenizerBase:
+    """Build a tokenizer from a GGUF file's metadata with transformers (slow: several seconds)."""
+    path = os.path.abspath(gguf_path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def _load_cached(entry: Path) -> PreTrainedTokenizerBase | None:
+    if not (entry / _COMPLETE_MARKER).is_file():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(entry))
+    except Exception as exc:  # a corrupt entry is rebuilt rather than fatal
+        logger.warning("Ignoring unreadable tokenizer cache entry %s: %s", entry, exc)
+        return None
+
+
+def _store_cached(entry: Path, tokenizer: PreTrainedTokenizerBase, source: str, replace: bool) -> None:
+    """Publish ``tokenizer`` at ``entry`` atomically; failures only log a warning.
+
+    An existing entry is kept (another process published it meanwhile) unless ``replace`` is set,
+    which is for an entry found unusable before the conversion.
+    """
+    tmp: str | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, _COMPLETE_MARKER), "w") as f:
+            json.dump({"source": source, "transformers": transformers.__version__}, f)
+        if entry.exists() and replace:  # an unusable entry: move it aside, then drop it
+            stale = tempfile.mkdtemp(prefix=f".{entry.name}.stale.", dir=entry.parent)
+            try:
+                os.replace(entry, os.path.join(stale, "old"))
+            except OSError:
+                pass
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, entry)
+        tmp = None
+    except Exception as exc:  # caching is an optimisation; it must never break loading
+        # Typically another process published the entry first, or the cache is not writable.
+        if not (entry / _COMPLETE_MARKER).is_file():
+            logger.warning("Could not cache tokenizer at %s: %s", entry, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf_tokenizer(gguf_path: str, use_cache: bool = True) -> PreTrainedTokenizerBase:
+    """The tokenizer embedded in a GGUF file, from the cache when possible."""
+    if not use_cache:
+        return convert_gguf_tokenizer(gguf_path)
+    entry = gguf_tokenizer_cache_dir(gguf_path)
+    cached = _load_cached(entry)
+    if cached is not None:
+        return cached
+    unusable = entry.exists()
+    tokenizer = convert_gguf_tokenizer(gguf_path)
+    _store_cached(entry, tokenizer, os.path.abspath(gguf_path), replace=unusable)
+    return tokenizer
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a ``.gguf`` file or a Hugging Face tokenizer/model directory."""
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        return load_gguf_tokenizer(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Tokenizer path {path!r} is neither a .gguf file nor a directory.")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ValueError(f"Could not load a tokenizer from {path!r}: {exc}") from exc
+
+
+def tokenizer_eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's EOS token id as a list (empty when it has none)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    if isinstance(eos, int):
+        return [eos]
+    return [int(i) for i in eos]

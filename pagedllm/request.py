@@ -1,0 +1,104 @@
+"""Request state as the scheduler, KV cache manager and output processor see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    Invariants: ``num_computed_tokens <= num_tokens``; the KV of tokens ``[0, num_computed_tokens)``
+    is in the blocks ``block_ids`` (logical block i -> physical block ``block_ids[i]``);
+    ``len(block_hashes)`` full blocks of it are registered in the prefix cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: list[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+    parent_id: str | None = None  # set for the n > 1 children of one prompt
+    index: int = 0  # index among the parent's n sequences
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.params.seed + self.index)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

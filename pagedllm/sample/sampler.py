@@ -1,0 +1,448 @@
+"""Batched next-token sampling.
+
+The :class:`Sampler` takes the last-position logits of every sequence that needs a new token and
+returns one token per row, in the order vLLM v1 uses:
+
+1. log probabilities for reporting, from the raw model logits;
+2. repetition / frequency / presence penalties;
+3. ``logit_bias``;
+4. ``allowed_token_ids`` (every other token masked);
+5. ``bad_words`` (the last token of a banned sequence is masked when the output ends with its prefix);
+6. ``min_tokens`` (EOS and stop token ids masked until enough tokens were generated);
+7. greedy rows take the argmax of the processed logits; random rows go through temperature, top-k,
+   top-p and min-p and are sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
+
+Every step is a batch tensor operation; Python only builds the small per-row parameter tensors.
+A row with a per-request ``torch.Generator`` draws its noise from that generator alone, so a seeded
+request produces the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.outputs import Logprob
+from pagedllm.sample.penalties import apply_penalties, flatten_token_ids
+from pagedllm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row inputs of one sampling step; row ``i`` of the logits belongs to ``params[i]``.
+
+    ``generators[i]`` is the request's own seeded generator (see :func:`make_generator`), or None to
+    draw from the default generator. ``bad_words_token_ids[i]`` holds the token sequences row ``i``
+    must never complete. ``eos_token_ids`` are the model's end-of-sequence ids; together with each
+    request's ``stop_token_ids`` they are masked while the output is shorter than ``min_tokens``
+    (EOS is left alone for requests with ``ignore_eos``).
+    """
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    generators: list[torch.Generator | None]
+    bad_words_token_ids: list[list[list[int]]] | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def check(self, num_rows: int) -> None:
+        """Raise ValueError unless every per-row list has ``num_rows`` entries."""
+        lists: dict[str, Sequence[object] | None] = {
+            "params": self.params,
+            "prompt_token_ids": self.prompt_token_ids,
+            "output_token_ids": self.output_token_ids,
+            "generators": self.generators,
+            "bad_words_token_ids": self.bad_words_token_ids,
+        }
+        for name, values in lists.items():
+            if values is not None and len(values) != num_rows:
+                raise ValueError(
+                    f"SamplingBatch.{name} has {len(values)} entries for {num_rows} logits rows."
+                )
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token of every row and, where requested, its log probabilities.
+
+    ``logprobs[i]`` is None unless ``params[i].logprobs`` is set; otherwise it maps the sampled token
+    and the ``params[i].logprobs`` most likely tokens to their :class:`Logprob` (log probability under
+    the raw model distribution and 1-based rank in it). ``sampled_logprobs[i]`` is the raw log
+    probability of the sampled token, for the cumulative log probability of the sequence.
+    """
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+    sampled_logprobs: list[float]
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one seeded request, on the device the logits live on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def filter_thresholds(
+    probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], candidates: int = 128
+) -> torch.Tensor:
+    """Per-row probability threshold of top-k then top-p: tokens with ``prob >= threshold`` stay.
+
+    ``probs`` is ``[num_rows, vocab]``; ``top_k[i]`` of 0, -1 or at least the vocabulary size and
+    ``top_p[i] == 1`` switch the filters off for row ``i``. Top-k keeps the ``k`` most likely tokens;
+    top-p then keeps, of the distribution renormalised over those, the most likely tokens up to and
+    including the first one at which the cumulative probability reaches ``top_p``. Tokens tied with
+    the last kept one are kept as well.
+
+    No row sorts the whole vocabulary unless it has to: each row looks at the ``max(k, candidates)``
+    most likely tokens (``k`` capped at ``candidates`` for top-p rows), and only rows whose nucleus is
+    not inside them retry with 16 times as many, then with the full vocabulary. The result of a row
+    depends on that row alone.
+    """
+    num_rows, vocab_size = probs.shape
+    device = probs.device
+    ks = [k if 0 < k < vocab_size else vocab_size for k in top_k]
+    needed = [k if p >= 1.0 else min(k, candidates) for k, p in zip(ks, top_p, strict=True)]
+    width = min(max(max(needed, default=1), candidates, 1), vocab_size)
+    k_all = torch.tensor(ks, dtype=torch.int64).to(device)
+    p_all = torch.tensor(top_p, dtype=probs.dtype).to(device)
+    thresholds = probs.new_zeros(num_rows)
+    remaining: torch.Tensor | None = None  # rows still to settle; None: all of them
+    while True:
+        rows_probs = probs if remaining is None else probs.index_select(0, remaining)
+        k = k_all if remaining is None else k_all.index_select(0, remaining)
+        p = p_all if remaining is None else p_all.index_select(0, remaining)
+        if width == vocab_size:
+            values = rows_probs.sort(dim=-1, descending=True).values
+        else:
+            values = rows_probs.topk(width, dim=-1).values
+        cumulative = values.cumsum(dim=-1)
+        exclusive = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
+        k_in = k.clamp(max=width)
+        # Mass top-p is relative to: the top-k set, or the whole row when top-k is off.
+        mass = torch.where(
+            k < vocab_size, cumulative.gather(1, (k_in - 1)[:, None]).squeeze(1), rows_probs.sum(dim=-1)
+        )
+        nucleus_size = (exclusive < (p * mass)[:, None]).sum(dim=-1)
+        num_kept = torch.where(p < 1.0, torch.minimum(nucleus_size, k_in), k_in).clamp_(min=1)
+        rows_thresholds = values.gather(1, (num_kept - 1)[:, None]).squeeze(1)
+        if width == vocab_size:
+            done = None
+        else:
+            # Settled: the whole top-k set is in view, or (top-k off) the nucleus ends in view.
+            done = (k <= width) | ((k == vocab_size) & (cumulative[:, -1] >= p * mass))
+        if remaining is None:
+            thresholds = rows_thresholds if done is None else torch.where(done, rows_thresholds, thresholds)
+        elif done is None:
+            thresholds.index_copy_(0, remaining, rows_thresholds)
+        else:
+            thresholds.index_copy_(0, remaining[done], rows_thresholds[done])
+        if done is None or bool(done.all()):
+            return thresholds
+        remaining = (~done).nonzero().squeeze(1) if remaining is None else remaining[~done]
+        # topk over a large share of the vocabulary costs as much as sorting all of it.
+        width = width * 16 if width * 16 <= vocab_size // 4 else vocab_size
+
+
+def exponential_noise(
+    num_rows: int,
+    vocab_size: int,
+    generators: Sequence[torch.Generator | None],
+    device: torch.device,
+) -> torch.Tensor:
+    """``Exp(1)`` noise of shape ``[num_rows, vocab_size]`` for the exponential race.
+
+    Rows with a generator draw exactly one row of noise from it; the other rows share one draw from
+    the default generator. The noise is ``-log(u)`` with ``u`` uniform in ``[0, 1)``: strictly
+    positive, and ``inf`` (a token that cannot win this step) with probability about ``2**-24``.
+    """
+    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < num_rows:
+        if not seeded:
+            noise.uniform_()
+        else:
+            unseeded = [i for i, g in enumerate(generators) if g is None]
+            index = torch.tensor(unseeded, dtype=torch.int64).to(device)
+            shared = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
+            noise.index_copy_(0, index, shared.uniform_())
+    for i in seeded:
+        generator = generators[i]
+        assert generator is not None
+        if generator.device == noise.device:
+            noise[i].uniform_(generator=generator)
+        else:
+            draw = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+            noise[i].copy_(draw.uniform_(generator=generator))
+    return noise.log_().neg_()
+
+
+def _has_min_tokens_ban(params: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> bool:
+    if num_output >= params.min_tokens:
+        return False
+    return bool(
+        params.stop_token_ids or params.all_stop_token_ids or (eos_token_ids and not params.ignore_eos)
+    )
+
+
+def _row_needs_processing(batch: SamplingBatch, i: int) -> bool:
+    p = batch.params[i]
+    return bool(
+        p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+        or p.logit_bias
+        or p.allowed_token_ids is not None
+        or (batch.bad_words_token_ids is not None and batch.bad_words_token_ids[i])
+        or _has_min_tokens_ban(p, len(batch.output_token_ids[i]), batch.eos_token_ids)
+    )
+
+
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Apply penalties, ``logit_bias``, ``allowed_token_ids``, bad words and ``min_tokens`` in place.
+
+    ``logits`` is the float ``[len(batch), vocab]`` tensor of the batch. Temperature and the top-k /
+    top-p / min-p filters are not part of this step.
+    """
+    params = batch.params
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+
+    # Penalties, on the rows that use any.
+    rows = [
+        i
+        for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if rows:
+        all_rows = len(rows) == num_rows
+        index = _index(rows, device)
+        sub = logits if all_rows else logits.index_select(0, index)
+        apply_penalties(
+            sub,
+            [batch.prompt_token_ids[i] for i in rows],
+            [batch.output_token_ids[i] for i in rows],
+            [params[i].repetition_penalty for i in rows],
+            [params[i].frequency_penalty for i in rows],
+            [params[i].presence_penalty for i in rows],
+        )
+        if not all_rows:
+            logits.index_copy_(0, index, sub)
+
+    # logit_bias: one accumulating index_put over all (row, token, bias) triples.
+    bias_rows: list[int] = []
+    bias_tokens: list[int] = []
+    bias_values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            bias_rows.extend([i] * len(p.logit_bias))
+            bias_tokens.extend(p.logit_bias.keys())
+            bias_values.extend(p.logit_bias.values())
+    if bias_rows:
+        values = torch.tensor(bias_values, dtype=logits.dtype).to(device)
+        logits.index_put_((_index(bias_rows, device), _index(bias_tokens, device)), values, accumulate=True)
+
+    # allowed_token_ids: mask everything else.
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if rows:
+        allowed: list[list[int]] = [params[i].allowed_token_ids or [] for i in rows]
+        mask_rows, mask_cols = flatten_token_ids(allowed, device)
+        banned = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
+        banned[mask_rows, mask_cols] = False
+        if len(rows) == num_rows:
+            logits.masked_fill_(banned, _NEG_INF)
+        else:
+            index = _index(rows, device)
+            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, _NEG_INF))
+
+    # Bad words and min_tokens: collect (row, token) pairs to mask.
+    ban_rows: list[int] = []
+    ban_tokens: list[int] = []
+    if batch.bad_words_token_ids is not None:
+        for i, words in enumerate(batch.bad_words_token_ids):
+            if not words:
+                continue
+            output = batch.output_token_ids[i]
+            for word in words:
+                if not word or not 0 <= word[-1] < vocab_size:
+                    continue
+                prefix_len = len(word) - 1
+                if prefix_len == 0 or (
+                    len(output) >= prefix_len and output[len(output) - prefix_len :] == word[:prefix_len]
+                ):
+                    ban_rows.append(i)
+                    ban_tokens.append(word[-1])
+    for i, p in enumerate(params):
+        if _has_min_tokens_ban(p, len(batch.output_token_ids[i]), batch.eos_token_ids):
+            stop_ids = set(p.stop_token_ids or ()) | p.all_stop_token_ids
+            if not p.ignore_eos:
+                stop_ids.update(batch.eos_token_ids)
+            stop_ids = {t for t in stop_ids if 0 <= t < vocab_size}
+            ban_rows.extend([i] * len(stop_ids))
+            ban_tokens.extend(stop_ids)
+    if ban_rows:
+        logits.index_put_(
+            (_index(ban_rows, device), _index(ban_tokens, device)),
+            torch.tensor(_NEG_INF, dtype=logits.dtype, device=device),
+        )
+
+
+class Sampler:
+    """Samples one token per row from last-position logits (see the module docstring for the order).
+
+    ``top_p_candidates`` is how many of the most likely tokens top-p first looks at before falling
+    back to larger candidate sets (and finally a full sort), see :func:`filter_thresholds`.
+    """
+
+    def __init__(self, top_p_candidates: int = 128) -> None:
+        self.top_p_candidates = top_p_candidates
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample from ``logits`` (``[len(batch), vocab]``, any float dtype); the tensor is not modified."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}.")
+        num_rows = logits.shape[0]
+        batch.check(num_rows)
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[], sampled_logprobs=[])
+        params = batch.params
+        device = logits.device
+        raw = logits.float()  # the caller's tensor when already float32: never written to
+
+        raw_logsumexp = torch.logsumexp(raw, dim=-1)
+        if any(_row_needs_processing(batch, i) for i in range(num_rows)):
+            processed = raw.clone()
+            apply_logits_processors(processed, batch)
+            owned = True
+        else:
+            processed = raw
+            owned = False
+
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        sampled_raw: torch.Tensor | None = None
+        if len(greedy_rows) == num_rows:
+            # Tensor.max(dim) is cheaper than argmax on CPU and gives the raw logit when unprocessed.
+            best, token_ids = processed.max(dim=-1)
+            if not owned:
+                sampled_raw = best
+        elif not greedy_rows:
+            token_ids = self._sample_random(processed, params, batch.generators, owned)
+        else:
+            random_rows = [i for i, p in enumerate(params) if not p.greedy]
+            greedy_index = _index(greedy_rows, device)
+            random_index = _index(random_rows, device)
+            token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+            token_ids.index_copy_(
+                0, greedy_index, processed.index_select(0, greedy_index).max(dim=-1).indices
+            )
+            sampled = self._sample_random(
+                processed.index_select(0, random_index),
+                [params[i] for i in random_rows],
+                [batch.generators[i] for i in random_rows],
+                owned=True,
+            )
+            token_ids.index_copy_(0, random_index, sampled)
+
+        if sampled_raw is None:
+            sampled_raw = raw.gather(1, token_ids[:, None]).squeeze(1)
+        sampled_logprobs = sampled_raw - raw_logsumexp
+        token_list: list[int] = token_ids.tolist()
+        sampled_list: list[float] = sampled_logprobs.tolist()
+        logprobs = self._logprobs(raw, raw_logsumexp, sampled_raw, token_list, sampled_list, params)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs, sampled_logprobs=sampled_list)
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        owned: bool,
+    ) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race.
+
+        ``owned``: ``logits`` is a private copy that may be scaled in place.
+        """
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        temperatures = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):
+            scale = torch.tensor(temperatures, dtype=logits.dtype).to(device)[:, None]
+            logits = logits.div_(scale) if owned else logits / scale
+        probs = logits.softmax(dim=-1)
+
+        # top-k, top-p and min-p all keep the tokens at least as likely as a per-row threshold.
+        thresholds: torch.Tensor | None = None
+        filter_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+        if filter_rows:
+            top_k = [params[i].top_k for i in filter_rows]
+            top_p = [params[i].top_p for i in filter_rows]
+            if len(filter_rows) == num_rows:
+                thresholds = filter_thresholds(probs, top_k, top_p, self.top_p_candidates)
+            else:
+                index = _index(filter_rows, device)
+                rows_thresholds = filter_thresholds(
+                    probs.index_select(0, index), top_k, top_p, self.top_p_candidates
+                )
+                thresholds = probs.new_zeros(num_rows).index_copy_(0, index, rows_thresholds)
+        min_ps = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_ps):
+            # Relative to the most likely token, so the top-k / top-p renormalisation does not matter.
+            min_p = torch.tensor(min_ps, dtype=probs.dtype).to(device)
+            min_p_thresholds = probs.amax(dim=-1) * min_p
+            thresholds = (
+                min_p_thresholds if thresholds is None else torch.maximum(thresholds, min_p_thresholds)
+            )
+        if thresholds is not None:
+            probs.masked_fill_(probs < thresholds[:, None], 0.0)
+
+        noise = exponential_noise(num_rows, vocab_size, generators, device)
+        return probs.div_(noise).max(dim=-1).indices
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor,
+        raw_logsumexp: torch.Tensor,
+        sampled_raw: torch.Tensor,
+        token_ids: list[int],
+        sampled_logprobs: list[float],
+        params: Sequence[SamplingParams],
+    ) -> list[dict[int, Logprob] | None]:
+        """The sampled token and the top ``params[i].logprobs`` tokens of each requesting row."""
+        out: list[dict[int, Logprob] | None] = [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return out
+        vocab_size = raw.shape[-1]
+        all_rows = len(rows) == len(params)
+        index = None if all_rows else _index(rows, raw.device)
+        sub = raw if index is None else raw.index_select(0, index)
+        sub_sampled = sampled_raw if index is None else sampled_raw.index_select(0, index)
+        ranks: list[int] = ((sub > sub_sampled[:, None]).sum(dim=-1) + 1).tolist()
+        max_k = min(max(params[i].logprobs or 0 for i in rows), vocab_size)
+        top_ids: list[list[int]] = [[] for _ in rows]
+        top_lps: list[list[float]] = [[] for _ in rows]
+        if max_k > 0:
+            values, ids = sub.topk(max_k, dim=-1)
+            sub_lse = raw_logsumexp if index is None else raw_logsumexp.index_select(0, index)
+            top_ids = ids.tolist()
+            top_lps = (values - sub_lse[:, None]).tolist()
+        for j, i in enumerate(rows):
+            token = token_ids[i]
+            entry = {token: Logprob(logprob=sampled_logprobs[i], rank=ranks[j])}
+            k = params[i].logprobs or 0
+            for rank, (tid, lp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k], strict=True), start=1):
+                if tid != token:
+                    entry[tid] = Logprob(logprob=lp, rank=rank)
+            out[i] = entry
+        return out

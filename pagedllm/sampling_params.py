@@ -1,0 +1,175 @@
+"""Sampling parameters of one request (vLLM field names), validated with field-named errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, a choice of strings or an EBNF grammar.
+
+    Exactly one of the fields must be set.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        set_fields = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object must be set "
+                f"(got {set_fields or 'none'})"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``top_p == 1`` and
+    ``min_p == 0`` disable those filters. ``seed`` gives a per-request generator, so the sampled
+    tokens do not depend on what else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    best_of: int | None = None
+    # Filled by the engine: extra token ids that end generation (the model's EOS ids).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+        self._verify()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def _verify(self) -> None:
+        def bad(field_name: str, msg: str) -> ValueError:
+            return ValueError(f"{field_name} {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad("best_of", "is not supported; use n instead.")
+        if self.temperature < 0.0:
+            raise bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be -1 or 0 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(
+                "min_tokens",
+                f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+            )
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}.")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", f"must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not -100.0 <= bias <= 100.0:
+                    raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}.")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise bad("allowed_token_ids", "must not be empty.")
+        for s in self.stop:  # type: ignore[union-attr]
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "must contain only non-empty strings.")
+        for t in self.stop_token_ids or []:
+            if not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", f"must contain non-negative integers, got {t!r}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}.")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check token-id fields against the model's vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logit_bias", list((self.logit_bias or {}).keys())),
+        ):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"{name} contains out-of-vocab token id {t} (vocab size {vocab_size}).")
+
+    def clone(self) -> SamplingParams:
+        import copy
+
+        return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (scoring as HF transformers with early_stopping=True)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")

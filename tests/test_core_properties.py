@@ -1,0 +1,188 @@
+"""Property-based tests of the block pool, KV cache manager and scheduler (no model involved)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=max_tokens, temperature=0),
+        max_tokens=max_tokens,
+        eos_token_ids=[EOS],
+    )
+
+
+def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
+    pool = kv.pool
+    held = Counter(b for r in sched.running for b in r.block_ids)
+    for r in sched.waiting:
+        assert r.block_ids == [], "waiting requests hold no blocks"
+    for block in pool.blocks:
+        assert block.ref_cnt >= 0
+        assert block.ref_cnt == held.get(block.block_id, 0), "ref count equals number of holders"
+        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
+    for h, block in pool.cached.items():
+        assert block.block_hash == h
+    for r in sched.running:
+        assert len(r.block_ids) * kv.block_size >= r.num_computed_tokens
+
+
+def drive(
+    ops: list[tuple[str, int]],
+    num_blocks: int,
+    block_size: int,
+    max_seqs: int,
+    budget: int,
+    caching: bool,
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    sched = Scheduler(SchedulerConfig(max_seqs, budget, 10_000), kv)
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
+    next_id = 0
+    alive: list[str] = []
+
+    def step() -> None:
+        out = sched.schedule()
+        assert out.num_batched_tokens <= budget
+        assert sum(s.num_tokens for s in out.scheduled) == out.num_batched_tokens
+        assert len(sched.running) <= max_seqs
+        for s in out.scheduled:
+            assert s.num_tokens >= 1
+            assert s.request.status == RequestStatus.RUNNING
+            need = s.request.num_computed_tokens + s.num_tokens
+            assert len(s.request.block_ids) * block_size >= need, "KV room for the scheduled tokens"
+        sampled = [s.request for s in out.scheduled if s.needs_sample]
+        sched.update_after_step(out)
+        for req in sampled:
+            tok = rng.randrange(0, 50)
+            req.append_output_token(tok)
+            if tok == EOS or req.num_output_tokens >= req.max_tokens:
+                sched.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        check_invariants(sched, kv)
+
+    for op, arg in ops:
+        if op == "add":
+            prompt = list(prefixes[arg % 3]) + [rng.randrange(1, 50) for _ in range(arg % 23)]
+            max_tokens = 1 + arg % 17
+            if -(-(len(prompt) + max_tokens) // block_size) > num_blocks:
+                continue
+            rid = f"r{next_id}"
+            next_id += 1
+            sched.add_request(make_request(rid, prompt, max_tokens))
+            alive.append(rid)
+        elif op == "abort" and alive:
+            sched.abort_requests([alive.pop(arg % len(alive))])
+            check_invariants(sched, kv)
+        else:
+            step()
+    for _ in range(2000):
+        if not sched.has_unfinished_requests():
+            break
+        step()
+    assert not sched.has_unfinished_requests(), "every request finishes"
+    kv.check_idle()
+
+
+op_strategy = st.lists(
+    st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "abort"]), st.integers(0, 1000)),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=op_strategy,
+    num_blocks=st.integers(4, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    max_seqs=st.integers(1, 8),
+    budget=st.integers(1, 64),
+    caching=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, max_seqs, budget, caching, seed):
+    drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed)
+
+
+def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token():
+    kv = KVCacheManager(16, 4, True)
+    a = make_request("a", list(range(1, 13)), 4)  # 12 tokens = 3 full blocks
+    hits, n = kv.get_computed_blocks(a)
+    assert (hits, n) == ([], 0)
+    assert kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    kv.cache_full_blocks(a)
+    kv.free(a)
+    b = make_request("b", list(range(1, 13)), 4)  # identical prompt: at most 2 blocks reused
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and [h.block_id for h in hits] == a_blocks_prefix(kv, b, 2)
+    c = make_request("c", list(range(1, 9)) + [99, 98, 97, 96, 95], 4)
+    hits_c, n_c = kv.get_computed_blocks(c)
+    assert n_c == 8
+    d = make_request("d", [7] + list(range(2, 13)), 4)  # first block differs: no hit at all
+    assert kv.get_computed_blocks(d)[1] == 0
+
+
+def a_blocks_prefix(kv: KVCacheManager, req: Request, n: int) -> list[int]:
+    hits, _ = kv.get_computed_blocks(req)
+    return [h.block_id for h in hits[:n]]
+
+
+def test_lru_eviction_prefers_oldest_freed_blocks():
+    kv = KVCacheManager(4, 2, True)
+    a = make_request("a", [1, 2, 3, 4, 5], 1)
+    assert kv.allocate_slots(a, 5)  # 3 blocks
+    a.num_computed_tokens = 5
+    kv.cache_full_blocks(a)  # blocks for [1,2] and [3,4] cached
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    # A new unrelated request taking 2 blocks must first use never-cached blocks and the tail block.
+    b = make_request("b", [9, 9, 9], 1)
+    assert kv.allocate_slots(b, 3)
+    again = make_request("c", [1, 2, 3, 4, 5], 1)
+    assert kv.get_computed_blocks(again)[1] == 4, "cached prefix survives while free blocks remain"
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(2, 4, True)
+    a = make_request("a", list(range(1, 20)), 1)
+    before = kv.num_free_blocks
+    assert not kv.allocate_slots(a, 19)
+    assert kv.num_free_blocks == before and a.block_ids == []
+
+
+def test_preemption_when_blocks_run_out_is_counted_and_recovers():
+    kv = KVCacheManager(6, 2, True)
+    sched = Scheduler(SchedulerConfig(4, 64, 1000), kv)
+    reqs = [make_request(f"r{i}", [i + 1] * 3, 6) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_unfinished_requests() and steps < 200:
+        out = sched.schedule()
+        sched.update_after_step(out)
+        for s in out.scheduled:
+            if s.needs_sample:
+                s.request.append_output_token(1)
+                if s.request.num_output_tokens >= s.request.max_tokens:
+                    sched.finish_request(s.request, RequestStatus.FINISHED_LENGTH)
+        steps += 1
+    assert not sched.has_unfinished_requests()
+    assert sched.num_preemptions > 0
+    assert all(r.num_output_tokens == 6 for r in reqs)
+    kv.check_idle()

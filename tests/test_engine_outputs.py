@@ -1,0 +1,106 @@
+"""Stops, lengths, detokenization and the shape of outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import SamplingParams
+
+PROMPT = "Count from one to ten in words: one, two, three,"
+
+
+@pytest.fixture(scope="module")
+def free_run(default_llm):
+    out = default_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    return out.outputs[0]
+
+
+def test_max_tokens_and_length_reason(default_llm, free_run):
+    assert len(free_run.token_ids) == 30
+    assert free_run.finish_reason == "length" and free_run.stop_reason is None
+    tok = default_llm.get_tokenizer()
+    assert free_run.text == tok.decode(free_run.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_cut_or_kept(default_llm, free_run):
+    stop = " six"
+    assert stop in free_run.text
+    out = default_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=stop))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free_run.text[: free_run.text.index(stop)]
+    kept = default_llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, max_tokens=30, stop=[stop], include_stop_str_in_output=True),
+    )[0].outputs[0]
+    assert kept.text == free_run.text[: free_run.text.index(stop) + len(stop)]
+    default_llm.llm_engine.check_idle()
+
+
+def test_stop_string_across_token_boundary(default_llm, free_run):
+    # "ve, si" spans several tokens (" five", ",", " six").
+    text = free_run.text
+    assert "ve, si" in text
+    out = default_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop="ve, si"))[0]
+    assert out.outputs[0].text == text[: text.index("ve, si")]
+
+
+def test_stop_token_ids_and_min_tokens(default_llm, free_run):
+    target = free_run.token_ids[5]
+    out = default_llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[target])
+    )[0].outputs[0]
+    first = free_run.token_ids.index(target)
+    assert out.token_ids == free_run.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    # min_tokens forbids the stop token before it is reached, so the output differs.
+    out = default_llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[target], min_tokens=first + 2)
+    )[0].outputs[0]
+    assert target not in out.token_ids[: first + 2]
+
+
+def test_eos_stops_unless_ignored(default_llm):
+    tok = default_llm.get_tokenizer()
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True
+    )
+    out = default_llm.generate([chat], SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids[-1] in default_llm.llm_engine.eos_token_ids
+    assert len(out.token_ids) < 200
+    ignored = default_llm.generate(
+        [chat], SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 5, ignore_eos=True)
+    )[0].outputs[0]
+    assert len(ignored.token_ids) == len(out.token_ids) + 5
+
+
+def test_n_outputs_and_logprobs_shape(default_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, logprobs=3, ignore_eos=True)
+    out = default_llm.generate(["Tell me a word:"], params)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "seeded n > 1 still varies between samples"
+    for o in out.outputs:
+        assert len(o.logprobs) == 8
+        for tok, step in zip(o.token_ids, o.logprobs, strict=True):
+            assert tok in step and 3 <= len(step) <= 4
+            assert all(lp.logprob <= 0 for lp in step.values())
+        assert o.cumulative_logprob == pytest.approx(
+            sum(s[t].logprob for t, s in zip(o.token_ids, o.logprobs, strict=True)), abs=1e-3
+        )
+    again = default_llm.generate(["Tell me a word:"], params)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+    default_llm.llm_engine.check_idle()
+
+
+def test_chat_and_token_prompts(default_llm):
+    tok = default_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    by_chat = default_llm.chat([{"role": "user", "content": "What is 2+2?"}], params, use_tqdm=False)[0]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tok.encode(text)
+    by_ids = default_llm.generate([ids], params, use_tqdm=False)[0]
+    assert by_chat.prompt_token_ids == ids
+    assert by_ids.outputs[0].token_ids == by_chat.outputs[0].token_ids
+    assert by_ids.prompt is None and by_chat.prompt == text

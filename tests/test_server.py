@@ -1,0 +1,716 @@
+"""The OpenAI-compatible server: end to end against real ``pagedllm serve`` processes, plus the async
+engine and HTTP error paths against a scripted in-process engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedllm.engine.stats import EngineStats
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from server_utils import SMALL_ENGINE_ARGS, RemoteServer, parse_metrics
+
+MODEL = "test-model"
+BODY_LIMIT = 200_000
+
+
+# ================================================================================================
+# Real server (default model)
+# ================================================================================================
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    args = [*SMALL_ENGINE_ARGS, "--served-model-name", MODEL, "--max-request-body-bytes", str(BODY_LIMIT)]
+    with RemoteServer(args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return server.client()
+
+
+def _count_tokens(server: RemoteServer, **body: Any) -> int:
+    r = server.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return int(r.json()["count"])
+
+
+def test_models_health_version(server: RemoteServer, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    raw = server.get("/v1/models").json()
+    assert raw["data"][0]["max_model_len"] == 1024
+    assert server.get("/health").status_code == 200
+    assert server.get("/version").json()["version"]
+
+
+def test_completion_usage_and_tokenizer_count(server: RemoteServer, client: openai.OpenAI) -> None:
+    from model_factory import default_tokenizer
+
+    prompt = "The capital of France is"
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choice = resp.choices[0]
+    assert resp.object == "text_completion" and resp.model == MODEL
+    assert choice.text and choice.finish_reason == "length"
+    assert resp.usage is not None
+    expected_prompt_tokens = len(default_tokenizer().encode(prompt))
+    assert resp.usage.prompt_tokens == expected_prompt_tokens == _count_tokens(server, prompt=prompt)
+    assert resp.usage.completion_tokens == 5
+    assert resp.usage.total_tokens == expected_prompt_tokens + 5
+    assert resp.usage.prompt_tokens_details is not None
+    assert isinstance(resp.usage.prompt_tokens_details.cached_tokens, int)
+
+
+def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_chat_stream_matches_non_stream(server: RemoteServer, client: openai.OpenAI) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Name three colors."}]
+    kwargs: dict[str, Any] = dict(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    assert full.usage is not None
+    assert full.usage.prompt_tokens == _count_tokens(server, messages=messages)
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    last_choice_chunk = [c for c in chunks if c.choices][-1]
+    assert last_choice_chunk.choices[0].finish_reason == full.choices[0].finish_reason
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_chat_content_parts_and_ignored_fields(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True, "some_future_field": {"x": 1}},
+    )
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12)
+    base = client.completions.create(**kwargs).choices[0].text
+    # Stop at the second word-ish piece of the greedy continuation.
+    cut = base.find(",", 1)
+    assert cut > 0, base
+    stop = base[cut : cut + 2]
+    resp = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert resp.finish_reason == "stop"
+    assert resp.text == base[:cut]
+    assert getattr(resp, "stop_reason", None) == stop
+    streamed = list(client.completions.create(stop=[stop], stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed) == base[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    kept = client.completions.create(stop=[stop], extra_body={"include_stop_str_in_output": True}, **kwargs)
+    assert kept.choices[0].text == base[:cut] + stop
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="A random word:",
+        n=3,
+        max_tokens=4,
+        temperature=1.0,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert resp.usage is not None and resp.usage.completion_tokens == 12
+    chat_chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            n=2,
+            max_tokens=3,
+            temperature=1.0,
+            stream=True,
+        )
+    )
+    finished = {c.choices[0].index for c in chat_chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+    roles = {c.choices[0].index for c in chat_chunks if c.choices and c.choices[0].delta.role == "assistant"}
+    assert roles == {0, 1}
+
+
+def test_multiple_prompts_token_ids_and_echo(server: RemoteServer, client: openai.OpenAI) -> None:
+    ids = server.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    resp = client.completions.create(
+        model=MODEL, prompt=["Hello there", "Good morning"], max_tokens=2, temperature=0
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert by_ids.choices[0].text == resp.choices[0].text
+    assert server.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello there"
+    echoed = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=2, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == "Hello there" + resp.choices[0].text
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, logprobs=2
+    )
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs or []) == 3
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) >= 2 for t in lp.top_logprobs or [])
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+BAD_REQUESTS: list[tuple[str, dict[str, Any] | str, int, str | None]] = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", '{"prompt": "hi", ', 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": -2}, 400, "n"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "model": "nope"},
+        404,
+        "model",
+    ),
+    ("/v1/no-such-route", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_requests(
+    server: RemoteServer, path: str, body: dict[str, Any] | str, status: int, param: str | None
+) -> None:
+    if isinstance(body, str):
+        r = server.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = server.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    assert err["param"] == param
+    if status == 400:
+        assert err["type"] == "invalid_request_error"
+    if status == 404 and param == "model":
+        assert err["code"] == "model_not_found"
+
+
+def test_context_too_long_and_body_limit(server: RemoteServer, client: openai.OpenAI) -> None:
+    long_prompt = "hello " * 1100
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=5)
+    assert "maximum context length is 1024 tokens" in str(exc.value)
+    r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1024})
+    assert r.status_code == 400 and "maximum context length is 1024 tokens" in r.json()["error"]["message"]
+    r = server.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 1}
+    )
+    assert r.status_code == 400 and "maximum context length is 1024 tokens" in r.json()["error"]["message"]
+    r = server.post("/v1/completions", json={"prompt": "x" * (BODY_LIMIT + 10)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # None of the rejected requests is left behind.
+    samples = server.metrics()
+    assert samples["pagedllm:num_requests_running"] == 0
+    assert samples["pagedllm:num_requests_waiting"] == 0
+
+
+def test_openai_client_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
+    assert bad.value.status_code == 400
+    assert bad.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_tokenize_detokenize(server: RemoteServer) -> None:
+    r = server.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 1024
+    assert server.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    chat = server.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
+    assert chat["count"] > r["count"]
+    assert server.post("/tokenize", json={}).status_code == 400
+    assert server.post("/detokenize", json={"tokens": [-1]}).json()["error"]["param"] == "tokens"
+
+
+def test_metrics_names(server: RemoteServer) -> None:
+    r = server.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = parse_metrics(r.text)
+    for name in (
+        "pagedllm:num_requests_running",
+        "pagedllm:num_requests_waiting",
+        "pagedllm:kv_cache_usage_perc",
+        "pagedllm:prompt_tokens_total",
+        "pagedllm:generation_tokens_total",
+        "pagedllm:request_success_total",
+        "pagedllm:num_preemptions_total",
+        "pagedllm:prefix_cache_queries_total",
+        "pagedllm:prefix_cache_hits_total",
+        "pagedllm:time_to_first_token_seconds_count",
+        "pagedllm:inter_token_latency_seconds_count",
+        "pagedllm:e2e_request_latency_seconds_count",
+        "pagedllm:request_queue_time_seconds_count",
+    ):
+        assert name in samples, name
+    # Earlier tests generated text, so the counters and histograms have moved.
+    assert samples["pagedllm:generation_tokens_total"] > 0
+    assert samples["pagedllm:request_success_total"] > 0
+    assert samples["pagedllm:e2e_request_latency_seconds_count"] > 0
+    assert 'finished_reason="length"' in r.text
+
+
+@pytest.mark.slow
+def test_concurrent_streams(server: RemoteServer) -> None:
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, int, str | None]:
+        stream = await aclient.completions.create(
+            model=MODEL,
+            prompt=f"Item {i}:",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, tokens, finish = "", -1, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return text, tokens, finish
+
+    async def main() -> list[tuple[str, int, str | None]]:
+        async with server.async_client() as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert len(results) == 32
+    assert all(tokens == 4 and finish == "length" for _, tokens, finish in results), results
+    samples = server.wait_for_metrics(lambda s: s["pagedllm:num_requests_running"] == 0, timeout=5)
+    assert samples["pagedllm:num_requests_running"] == 0
+
+
+@pytest.mark.slow
+def test_client_disconnect_frees_request(server: RemoteServer) -> None:
+    idle = server.metrics()
+    assert idle["pagedllm:num_requests_running"] == 0
+    idle_kv = idle["pagedllm:kv_cache_usage_perc"]
+
+    def settled(s: dict[str, float]) -> bool:
+        return s["pagedllm:num_requests_running"] == 0 and s["pagedllm:kv_cache_usage_perc"] == idle_kv
+
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url("/v1/completions"), json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 2:
+                    break
+            running = server.metrics()
+            assert running["pagedllm:num_requests_running"] == 1
+            assert running["pagedllm:kv_cache_usage_perc"] > idle_kv
+    samples = server.wait_for_metrics(settled, timeout=5)
+    assert settled(samples), samples
+
+    # A non-streaming request whose client gives up is aborted too.
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), json=body, timeout=1.5)
+    samples = server.wait_for_metrics(settled, timeout=5)
+    assert settled(samples), samples
+
+
+# ------------------------------------------------------------------------------------------------
+# A second server: API key, a one-sequence batch with a one-request queue, then SIGTERM.
+# ------------------------------------------------------------------------------------------------
+
+API_KEY = "sk-test-secret"
+
+
+@pytest.fixture(scope="module")
+def guarded_server() -> Iterator[RemoteServer]:
+    args = [
+        *SMALL_ENGINE_ARGS,
+        "--max-num-seqs",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--shutdown-timeout",
+        "60",
+    ]
+    with RemoteServer(args, api_key=API_KEY) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+def test_api_key(guarded_server: RemoteServer) -> None:
+    url = guarded_server.url("/v1/models")
+    assert httpx.get(url).status_code == 401
+    wrong = httpx.get(url, headers={"Authorization": "Bearer wrong"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.post(guarded_server.url("/v1/completions"), json={"prompt": "x"}).status_code == 401
+    assert httpx.get(guarded_server.url("/health")).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded_server.url("/v1"), api_key="bad", max_retries=0).models.list()
+    client = guarded_server.client()
+    name = client.models.list().data[0].id
+    resp = client.completions.create(model=name, prompt="Hi", max_tokens=1)
+    assert resp.usage is not None and resp.usage.completion_tokens == 1
+
+
+def _stream_in_thread(srv: RemoteServer, body: dict[str, Any], out: dict[str, Any]) -> threading.Event:
+    """Start a streaming completion in a thread; the event is set once its first chunk arrived."""
+    started = threading.Event()
+
+    def run() -> None:
+        text = ""
+        try:
+            with httpx.stream(
+                "POST", srv.url("/v1/completions"), json=body, headers=srv.headers(), timeout=120
+            ) as r:
+                out["status"] = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    started.set()
+                    for choice in chunk.get("choices", []):
+                        text += choice["text"]
+                        out["finish_reason"] = choice["finish_reason"] or out.get("finish_reason")
+                    if chunk.get("usage"):
+                        out["usage"] = chunk["usage"]
+        except Exception as exc:  # noqa: BLE001 - reported to the test through `out`
+            out["error"] = exc
+        finally:
+            out["text"] = text
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    out["thread"] = thread
+    return started
+
+
+@pytest.mark.slow
+def test_queue_limit(guarded_server: RemoteServer) -> None:
+    srv = guarded_server
+    body = {"prompt": "Count:", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    first: dict[str, Any] = {}
+    assert _stream_in_thread(srv, body, first).wait(60)
+    second: dict[str, Any] = {}
+    _stream_in_thread(srv, {**body, "max_tokens": 2}, second)
+    samples = srv.wait_for_metrics(lambda s: s["pagedllm:num_requests_waiting"] == 1, timeout=10)
+    assert samples["pagedllm:num_requests_waiting"] == 1
+    r = srv.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "queue_full"
+    for out in (first, second):
+        out["thread"].join(60)
+        assert "error" not in out and out["status"] == 200
+    assert first["usage"]["completion_tokens"] == 20 and second["usage"]["completion_tokens"] == 2
+    assert srv.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_request(guarded_server: RemoteServer) -> None:
+    srv = guarded_server
+    out: dict[str, Any] = {}
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    assert _stream_in_thread(srv, body, out).wait(60)
+    srv.terminate()
+    deadline = time.monotonic() + 5
+    health = srv.get("/health").status_code
+    while health != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        health = srv.get("/health").status_code
+    assert health == 503
+    refused = srv.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    out["thread"].join(60)
+    assert "error" not in out, out
+    assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 24
+    assert srv.wait(30) == 0, srv.log_tail()
+
+
+# ================================================================================================
+# In-process: the async engine and HTTP error paths against a scripted engine
+# ================================================================================================
+
+
+class ScriptedTokenizer:
+    """One character per token (vocabulary of 256)."""
+
+    chat_template = "role: content"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+class ScriptedEngine:
+    """Generates "a" per step per request; at most ``max_running`` run, the rest wait.
+
+    ``fail_at_step`` makes the n-th step raise, as a crashing model would.
+    """
+
+    model_name = "scripted"
+    max_model_len = 64
+    vocab_size = 256
+
+    def __init__(self, max_running: int = 8, fail_at_step: int | None = None) -> None:
+        self.tokenizer = ScriptedTokenizer()
+        self.max_running = max_running
+        self.fail_at_step = fail_at_step
+        self.steps = 0
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty.")
+        self.requests[request_id] = (ids, params, [])
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        time.sleep(0.005)
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError("scripted failure")
+        outputs = []
+        for rid in list(self.requests)[: self.max_running]:
+            ids, params, out = self.requests[rid]
+            out.append(ord("a"))
+            done = len(out) >= (params.max_tokens or 1)
+            completion = CompletionOutput(
+                0, "a" * len(out), list(out), None, None, "length" if done else None
+            )
+            outputs.append(RequestOutput(rid, None, ids, [completion], done))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def abort_request(self, request_id: str | Any) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if self.requests.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> EngineStats:
+        running = min(len(self.requests), self.max_running)
+        return EngineStats(num_running=running, num_waiting=len(self.requests) - running)
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_async_engine_generate_validate_abort() -> None:
+    fake = ScriptedEngine()
+    engine = AsyncLLMEngine(fake)
+    engine.start()
+
+    async def main() -> None:
+        outs = [o async for o in engine.generate("hi", SamplingParams(max_tokens=3), "r1")]
+        assert [len(o.outputs[0].token_ids) for o in outs][-1] == 3 and outs[-1].finished
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            await engine.add_request("r2", "", SamplingParams())
+        stream = await engine.add_request("r3", "hi", SamplingParams(max_tokens=50))
+        first = await anext(stream)
+        assert not first.finished
+        await stream.aclose()  # type: ignore[attr-defined]
+        for _ in range(200):
+            if "r3" in fake.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert "r3" in fake.aborted and engine.num_active_requests == 0
+
+    try:
+        _run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_async_engine_queue_limit() -> None:
+    fake = ScriptedEngine(max_running=1)
+    engine = AsyncLLMEngine(fake, max_queued_requests=1)
+    engine.start()
+
+    async def main() -> None:
+        a = await engine.add_request("a", "x", SamplingParams(max_tokens=40))
+        await anext(a)  # "a" is running
+        b = await engine.add_request("b", "x", SamplingParams(max_tokens=1))  # "b" waits
+        with pytest.raises(QueueFullError):
+            await engine.add_request("c", "x", SamplingParams(max_tokens=1))
+        engine.abort(["a", "b"])
+        del a, b
+
+    try:
+        _run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_async_engine_death_fails_requests() -> None:
+    engine = AsyncLLMEngine(ScriptedEngine(fail_at_step=3))
+    engine.start()
+
+    async def main() -> None:
+        stream = await engine.add_request("a", "x", SamplingParams(max_tokens=40))
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("b", "x", SamplingParams(max_tokens=1))
+
+    try:
+        _run(main())
+    finally:
+        engine.shutdown()
+
+
+def _scripted_app(fake: ScriptedEngine) -> tuple[Any, AsyncLLMEngine]:
+    from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from pagedllm.metrics import EngineMetrics
+
+    engine = AsyncLLMEngine(fake, metrics=EngineMetrics("scripted"))
+    return build_app(engine, ServerSettings(served_model_names=["scripted"]), engine.metrics), engine
+
+
+def test_http_engine_death_and_stream_error() -> None:
+    from fastapi.testclient import TestClient
+
+    app, engine = _scripted_app(ScriptedEngine(fail_at_step=4))
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True})
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_dead" and error["type"] == "server_error"
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+    assert not engine.is_running
+
+
+def test_http_scripted_chat_and_completion() -> None:
+    from fastapi.testclient import TestClient
+
+    app, _ = _scripted_app(ScriptedEngine())
+    with TestClient(app) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        # No max_tokens: the rest of the context (64 - prompt length).
+        prompt_len = len("user: hi\nassistant: ")
+        assert body["usage"] == {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": 64 - prompt_len,
+            "total_tokens": 64,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "n": 1, "stop": ["zz"]})
+        assert r.json()["choices"][0]["text"] == "aa"
+        samples = parse_metrics(http.get("/metrics").text)
+        assert samples["pagedllm:request_success_total"] == 2
+        assert samples["pagedllm:generation_tokens_total"] == 0  # the scripted engine reports no counters
