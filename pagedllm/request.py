@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.structured.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +71,12 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured-output matcher, advanced with every output token
+    # For the n > 1 siblings after the first: wait until it has prefilled the shared prompt, then
+    # reuse its full blocks through the prefix cache instead of prefilling again.
+    prefill_leader: Request | None = field(default=None, repr=False)
+    # prompt_logprobs[i] is for prompt token i (None for the first token); filled during prefill.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -75,6 +85,8 @@ class Request:
         self._all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if self.params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed + self.index)
@@ -102,3 +114,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """True while the sibling that prefills the shared prompt has not done so yet."""
+        leader = self.prefill_leader
+        if leader is None or leader.is_finished:
+            return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        # Prompt logprobs need logits at every prompt position, so nothing may be skipped.
+        return self.params.prompt_logprobs is None

@@ -522,9 +522,7 @@ def choose_config(
         raise ValueError(f"block_m={block_m} cannot hold a group of {group} query heads.")
     if on_gpu and (block_m < 16 or tile_n < 16):
         raise ValueError("block_m and tile_n must be at least 16 on GPU (tl.dot tiles).")
-    # Large row tiles with wide heads hold a big fp32 accumulator: spread it over more warps.
-    num_warps = 8 if block_m >= 64 and head_dim >= 128 else 4
-    return AttentionLaunchConfig(block_m=block_m, tile_n=tile_n, num_splits=num_splits, num_warps=num_warps)
+    return AttentionLaunchConfig(block_m=block_m, tile_n=tile_n, num_splits=num_splits)
 
 
 def paged_attention(

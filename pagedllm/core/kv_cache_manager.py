@@ -48,7 +48,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's tokens, leaving at least one token to compute."""
-        if not self.enable_caching:
+        if not self.enable_caching or not request.uses_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

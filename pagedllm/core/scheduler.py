@@ -139,13 +139,17 @@ class Scheduler:
 
         # 2. Waiting requests fill the rest (not in a step that had to preempt).
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
+            idx = 0
+            while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[idx]
+                if request.waits_for_leader:
+                    idx += 1
+                    continue
                 computed, num_cached = self.kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_new, computed):
                     break
-                self.waiting.popleft()
+                del self.waiting[idx]
                 request.num_computed_tokens = num_cached
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +18,11 @@ from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from pagedllm.structured import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -61,13 +65,16 @@ class LLMEngine:
         )
         del ckpt
         max_batched = config.max_num_batched_tokens or max(4096, config.max_num_seqs)
-        num_blocks = self._num_kv_blocks()
+        num_blocks = self._num_kv_blocks(max_batched)
         self.runner.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_cuda_graphs(config.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len), self.kv
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._structured_output_manager: StructuredOutputManager | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         tokens = num_blocks * config.block_size
@@ -91,7 +98,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, max_num_batched_tokens: int) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -99,9 +106,7 @@ class LLMEngine:
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_elsewhere = total - free
-            budget = int(total * cfg.gpu_memory_utilization) - used_elsewhere - (1 << 30)
+            budget = self._cuda_kv_budget(max_num_batched_tokens)
         else:
             # Enough for max_num_seqs full-length sequences, capped at 1 GiB.
             blocks_needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
@@ -110,6 +115,37 @@ class LLMEngine:
         if num < 1:
             raise ValueError(f"not enough memory for a single KV block ({per_block} bytes).")
         return int(num)
+
+    def _cuda_kv_budget(self, max_num_batched_tokens: int) -> int:
+        """KV cache bytes on a GPU, after profiling a forward at ``max_num_batched_tokens``.
+
+        ``gpu_memory_utilization`` of the device's memory, less the profiled peak of torch's allocator
+        (weights and activations), less what is held outside it (the CUDA context, other processes),
+        less a margin for the decode CUDA graphs.
+        """
+        cfg = self.config
+        peak = self.runner.profile_peak_memory(max_num_batched_tokens, cfg.max_num_seqs)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        graphs = 0
+        if not cfg.enforce_eager:
+            graphs = graph_memory_estimate(self.model_config, cfg.max_num_seqs, self.runner.dtype)
+        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graphs
+        per_block = self.runner.kv_bytes_per_block
+        logger.info(
+            "GPU memory: %.2f GiB total x %.2f utilization; peak of a %d-token forward %.2f GiB (weights "
+            "%.2f GiB), outside torch %.2f GiB, CUDA graph margin %.2f GiB -> KV cache %.2f GiB = %d blocks",
+            total / 2**30,
+            cfg.gpu_memory_utilization,
+            max_num_batched_tokens,
+            peak / 2**30,
+            torch.cuda.memory_allocated(self.device) / 2**30,
+            non_torch / 2**30,
+            graphs / 2**30,
+            max(budget, 0) / 2**30,
+            max(budget, 0) // per_block,
+        )
+        return budget
 
     # -- requests ---------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -153,10 +189,15 @@ class LLMEngine:
             raise ValueError(
                 f"logprobs must be at most {self.config.max_logprobs}, got {params.logprobs}."
             )
-        if params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported by this engine build.")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine build.")
+        grammar = (
+            self.structured_output_manager.compile(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None
+        )
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"prompt_logprobs must be at most {self.config.max_logprobs}, got {params.prompt_logprobs}."
+            )
         n_prompt = len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max(max_tokens, 1) > self.max_model_len or max_tokens < 1:
@@ -173,7 +214,7 @@ class LLMEngine:
             )
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        children = []
+        children: list[Request] = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(
@@ -187,11 +228,24 @@ class LLMEngine:
                 parent_id=request_id,
                 index=i,
                 bad_words_token_ids=bad_words,
+                grammar=self.structured_output_manager.new_state(grammar) if grammar is not None else None,
+                prefill_leader=children[0] if children else None,
             )
             children.append(req)
         self.output_processor.add_request(request_id, text, children)
         for req in children:
             self.scheduler.add_request(req)
+
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """Grammar compilation for structured outputs, set up on first use (xgrammar loads slowly)."""
+        if self._structured_output_manager is None:
+            from pagedllm.structured import StructuredOutputManager
+
+            self._structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        return self._structured_output_manager
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (by the id given to add_request); their blocks are freed at once."""

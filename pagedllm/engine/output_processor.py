@@ -81,6 +81,7 @@ class ParentState:
             outputs=outputs,
             finished=self.finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            prompt_logprobs=first.prompt_logprobs,
             metrics=metrics,
         )
 
@@ -130,6 +131,12 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept_token(token_id):
+            # Other constraints (min_tokens, bad_words, ...) masked every token the grammar allows: the
+            # token is dropped and the sequence ends, complete ("stop") or not ("abort").
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED if grammar.is_completed else RequestStatus.FINISHED_ABORTED
         req.append_output_token(token_id)
         req.cumulative_logprob += logprob
         if req.logprobs is not None and top is not None:
@@ -144,6 +151,9 @@ class OutputProcessor:
             return RequestStatus.FINISHED_STOPPED
         if min_ok and token_id in (params.stop_token_ids or ()):
             req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.is_terminated:
+            req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
 
         delta = seq.detokenizer.step(token_id)

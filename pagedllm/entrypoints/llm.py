@@ -9,10 +9,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, beam_search
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -83,6 +84,16 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search (scored as HF transformers with ``early_stopping=True``), one output per prompt.
+
+        Each output's ``sequences`` are its ``beam_width`` finished hypotheses, best first; see
+        :mod:`pagedllm.beam_search`.
+        """
+        return beam_search(self.llm_engine, _as_prompt_list(prompts), params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -1,4 +1,8 @@
-"""Building blocks of decoder-only transformers: RMSNorm, rotary embedding, SwiGLU."""
+"""Building blocks of decoder-only transformers: RMSNorm, rotary embedding, SwiGLU.
+
+RMSNorm (with and without the residual add) and SiLU-and-mul run as fused Triton kernels on CUDA
+tensors and as the equivalent torch code elsewhere (see :mod:`pagedllm.layers_triton`).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedllm import layers_triton
 
 
 class RMSNorm(nn.Module):
@@ -17,15 +22,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return layers_triton.rms_norm(x, self.weight, self.eps)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the pre-norm block's add-then-normalise."""
-        residual = x + residual
-        return self.forward(residual), residual
+        return layers_triton.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -82,5 +83,5 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """``silu(gate) * up`` where ``x = [gate, up]`` along the last dimension."""
+    return layers_triton.silu_and_mul(x)

@@ -123,8 +123,12 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm.forward_residual(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of ``hidden`` rows; written into ``out`` (``[rows, vocab]`` float32) when given."""
+        logits = F.linear(hidden, self.lm_head.weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

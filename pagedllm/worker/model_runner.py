@@ -13,7 +13,9 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
+from pagedllm.outputs import Logprob
 from pagedllm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,13 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without blocking the host: through pinned memory on CUDA."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -40,6 +49,7 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sample_rows: list[int]  # indices into scheduler_output.scheduled of the sampled requests
+    row_starts: list[int]  # first flat-batch row of each scheduled request
 
 
 class ModelRunner:
@@ -75,6 +85,7 @@ class ModelRunner:
         self.model.rotary.to(dtype=torch.float32)
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
+        self.cuda_graphs: CUDAGraphRunner | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -93,6 +104,79 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, num_sampled: int) -> int:
+        """Peak bytes held by torch's CUDA allocator (weights included) over a dummy prefill.
+
+        The forward covers ``num_tokens`` prompt tokens (split into sequences of at most
+        ``max_model_len``) against a one-block temporary cache, writing no K/V, followed by the logits
+        and a softmax of ``num_sampled`` rows, as the sampler computes them.
+        """
+        if self.device.type != "cuda":
+            raise ValueError("memory profiling needs a CUDA device.")
+        dev = self.device
+        cfg = self.config
+        seq_len = min(num_tokens, self.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        starts = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=starts[1:])
+        cache = KVCache(
+            num_layers=cfg.num_hidden_layers,
+            num_blocks=1,
+            block_size=self.block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            device=dev,
+        )
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=torch.from_numpy(starts).to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            # Every position reads block 0 of the temporary cache.
+            block_tables=torch.zeros(
+                len(lens), -(-seq_len // self.block_size), dtype=torch.int32, device=dev
+            ),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            query_lens_cpu=lens,
+            seq_lens_cpu=lens,
+        )
+        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(dev)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        hidden = self.model(input_ids, positions, ForwardContext(meta, cache.layers, self.backend))
+        logits = self.model.compute_logits(hidden[-min(num_sampled, num_tokens) :])
+        torch.softmax(logits, dim=-1)
+        torch.cuda.synchronize(dev)
+        peak = int(torch.cuda.max_memory_allocated(dev))
+        del hidden, logits, cache, meta
+        torch.cuda.empty_cache()
+        return peak
+
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        """Capture the decode CUDA graphs (see :mod:`pagedllm.worker.cuda_graphs`) over the allocated
+        KV cache; only on CUDA with the Triton attention backend, which launches without host syncs."""
+        assert self.kv_cache is not None, "KV cache not allocated"
+        if self.device.type != "cuda":
+            return
+        if self.backend.name != "triton":
+            logger.info(
+                "CUDA graphs need the triton attention backend; running %s eagerly.", self.backend.name
+            )
+            return
+        graphs = CUDAGraphRunner(
+            self.model,
+            self.kv_cache.layers,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
 
     # -- input preparation ------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
@@ -133,35 +217,99 @@ class ModelRunner:
         np.cumsum(qlens, out=qsl[1:])
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(slens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            slot_mapping=to_device(torch.from_numpy(np.concatenate(slot_chunks)), dev),
+            query_start_loc=to_device(torch.from_numpy(qsl), dev),
+            seq_lens=to_device(torch.tensor(slens, dtype=torch.int32), dev),
+            block_tables=to_device(torch.from_numpy(tables), dev),
             max_query_len=max(qlens),
             max_seq_len=max(slens),
             query_lens_cpu=qlens,
             seq_lens_cpu=slens,
         )
         return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.from_numpy(np.concatenate(pos_chunks)).to(dev, non_blocking=True),
+            input_ids=to_device(torch.tensor(ids, dtype=torch.int64), dev),
+            positions=to_device(torch.from_numpy(np.concatenate(pos_chunks)), dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True),
+            logits_indices=to_device(torch.tensor(logits_idx, dtype=torch.int64), dev),
             sample_rows=sample_rows,
+            row_starts=qsl[:-1].tolist(),
         )
 
     # -- execution --------------------------------------------------------------------------
+    def _forward(self, so: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor, torch.Tensor | None]:
+        """The model over one step: ``(inputs, hidden states of every row, logits of the sampled rows)``.
+
+        Decode-only steps replay a CUDA graph when one was captured, which also yields the logits;
+        other steps run eagerly and leave the logits to the caller (None).
+        """
+        assert self.kv_cache is not None, "KV cache not allocated"
+        graphs = self.cuda_graphs
+        if graphs is None or not graphs.can_run(so):
+            inputs = self.prepare_inputs(so)
+            ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
+            return inputs, self.model(inputs.input_ids, inputs.positions, ctx), None
+        n = len(so.scheduled)
+        bucket = graphs.load_inputs(so)
+        hidden, logits = graphs.replay(bucket)
+        sample_rows = [i for i, sr in enumerate(so.scheduled) if sr.needs_sample]
+        if len(sample_rows) == n:
+            logits_indices = graphs.query_start_loc[:n]  # 0 .. n-1: one row per request
+            logits = logits[:n]
+        else:
+            logits_indices = to_device(torch.tensor(sample_rows, dtype=torch.int64), self.device)
+            logits = logits[logits_indices]
+        inputs = BatchInputs(
+            input_ids=graphs.input_ids[:n],
+            positions=graphs.positions[:n],
+            meta=graphs.metadata(bucket),
+            logits_indices=logits_indices,
+            sample_rows=sample_rows,
+            row_starts=list(range(n)),
+        )
+        return inputs, hidden[:n], logits
+
+    def _prompt_logprobs(self, so: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor) -> None:
+        """Append prompt logprobs for the prompt positions this step computed (once per position)."""
+        for row, sr in enumerate(so.scheduled):
+            req = sr.request
+            k = req.params.prompt_logprobs
+            if k is None or req.prompt_logprobs is None:
+                continue
+            start = req.num_computed_tokens
+            # Position p predicts prompt token p + 1; positions already reported are skipped.
+            first = max(start, len(req.prompt_logprobs) - 1)
+            last = min(start + sr.num_tokens, req.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            base = inputs.row_starts[row] - start
+            logits = self.model.compute_logits(hidden[base + first : base + last])
+            logprobs = torch.log_softmax(logits, dim=-1)
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logprobs.device)
+            target_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
+            ranks = (logprobs > target_lp[:, None]).sum(-1) + 1
+            top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+            for i in range(last - first):
+                entry = {int(targets[i]): Logprob(float(target_lp[i]), int(ranks[i]))}
+                if top_ids is not None and top_lp is not None:
+                    for r, (tid, lp) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True)):
+                        entry.setdefault(tid, Logprob(lp, r + 1))
+                req.prompt_logprobs.append(entry)
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> tuple[list[int], SamplerOutput | None]:
         """Run one step; returns (rows of ``so.scheduled`` that got a token, sampler output)."""
         assert self.kv_cache is not None, "KV cache not allocated"
-        inputs = self.prepare_inputs(so)
-        ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        inputs, hidden, logits = self._forward(so)
+        self._prompt_logprobs(so, inputs, hidden)
         if not inputs.sample_rows:
             return [], None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if logits is None:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         reqs = [so.scheduled[r].request for r in inputs.sample_rows]
+        if any(r.grammar is not None for r in reqs):
+            from pagedllm.structured.grammar import apply_grammar_bitmask  # xgrammar loads on first use
+
+            apply_grammar_bitmask(logits, [r.grammar for r in reqs])
         batch = SamplingBatch(
             params=[r.params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],

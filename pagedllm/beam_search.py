@@ -1,0 +1,215 @@
+"""Beam search on top of the engine, scored and finished as HF transformers' ``early_stopping=True``.
+
+Every step, each live beam of every prompt becomes an engine request for one token
+(``max_tokens=1``) whose prompt is the beam's tokens so far, asking for the top log probabilities of
+the next token. All of them go through the engine together, so the model runs over the whole set as
+one batch, and beams that share a prefix reuse its full KV blocks through the prefix cache instead of
+recomputing them.
+
+The search per prompt follows ``GenerationMixin._beam_search`` of transformers:
+
+* candidates are the ``K = max(2, 1 + num_eos) * beam_width`` continuations with the highest
+  cumulative log probability over all beams (so at least ``beam_width`` of them do not end);
+* a candidate ranked among the first ``beam_width`` that ends (an EOS token, or the ``max_tokens``-th
+  generated token) is a finished hypothesis with score
+  ``cum_logprob / generated_len ** length_penalty``, ``generated_len`` counting the EOS token; finished
+  hypotheses are kept while fewer than ``beam_width`` are held, the best ``beam_width`` of them;
+* the ``beam_width`` best candidates that do not end are the next step's beams;
+* the search of a prompt stops once it holds ``beam_width`` finished hypotheses or ``max_tokens``
+  tokens were generated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis.
+
+    ``tokens`` are the prompt's token ids followed by the generated ones (an ending EOS included);
+    ``text`` is the generated part decoded (special tokens skipped). ``score`` is ``cum_logprob``
+    divided by ``generated_len ** length_penalty``. ``finish_reason`` is ``"stop"`` for a hypothesis
+    ended by EOS and ``"length"`` for one cut at ``max_tokens``.
+    """
+
+    tokens: list[int]
+    cum_logprob: float
+    num_prompt_tokens: int
+    score: float
+    finish_reason: str
+    text: str = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The finished hypotheses of one prompt, best (highest score) first."""
+
+    sequences: list[BeamSearchSequence]
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]
+    cum_logprob: float
+
+
+@dataclass
+class _PromptSearch:
+    """The state of one prompt's search."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    beams: list[_Beam]
+    finished: list[BeamSearchSequence] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.beams[0].tokens) - len(self.prompt_token_ids)
+
+
+def beam_search(
+    engine: LLMEngine,
+    prompts: Sequence[str | list[int]],
+    params: BeamSearchParams,
+    use_tqdm: bool = False,
+) -> list[BeamSearchOutput]:
+    """Beam search over ``prompts`` (strings or token-id lists); one output per prompt, in order.
+
+    The engine must have no other requests in flight: its outputs are consumed here. Raises ValueError
+    before running anything if a prompt is invalid, too long for ``max_tokens`` more tokens, or the
+    beam width needs more log probabilities than the engine reports (``max_logprobs``).
+    """
+    if params.temperature != 0.0:
+        raise ValueError("beam search is deterministic; temperature must be 0.")
+    width = params.beam_width
+    eos_ids = set() if params.ignore_eos else set(engine.eos_token_ids)
+    num_candidates = max(2, 1 + len(engine.eos_token_ids)) * width
+    if num_candidates > engine.config.max_logprobs:
+        raise ValueError(
+            f"beam_width {width} needs the top {num_candidates} log probabilities per step, more than the "
+            f"engine's max_logprobs={engine.config.max_logprobs}."
+        )
+    searches: list[_PromptSearch] = []
+    for prompt in prompts:
+        text, ids = engine._tokenize(prompt)
+        if len(ids) + params.max_tokens > engine.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} is longer than the "
+                f"model's maximum context length of {engine.max_model_len} tokens."
+            )
+        searches.append(_PromptSearch(text, ids, [_Beam(list(ids), 0.0)]))
+
+    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=num_candidates, ignore_eos=True)
+    prefix = f"beam-{uuid.uuid4().hex[:12]}-"
+    counter = itertools.count()
+    with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            request_ids = [[f"{prefix}{next(counter)}" for _ in s.beams] for s in live]
+            step_requests = [
+                (rid, beam.tokens)
+                for s, ids in zip(live, request_ids, strict=True)
+                for rid, beam in zip(ids, s.beams, strict=True)
+            ]
+            tops = _next_token_logprobs(engine, step_requests, step_params)
+            for search, ids in zip(live, request_ids, strict=True):
+                _advance(search, [tops[rid] for rid in ids], params, eos_ids, num_candidates)
+            bar.update(1)
+
+    tokenizer = engine.tokenizer
+    for search in searches:
+        for seq in search.finished:
+            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    return [BeamSearchOutput(s.finished, s.prompt, s.prompt_token_ids) for s in searches]
+
+
+def _next_token_logprobs(
+    engine: LLMEngine, requests: list[tuple[str, list[int]]], params: SamplingParams
+) -> dict[str, dict[int, Logprob]]:
+    """Run one-token requests through the engine; the top log probabilities of each, by request id."""
+    pending: set[str] = set()
+    try:
+        for rid, tokens in requests:
+            engine.add_request(rid, tokens, params)
+            pending.add(rid)
+        tops: dict[str, dict[int, Logprob]] = {}
+        while pending:
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    logprobs = out.outputs[0].logprobs
+                    assert logprobs, "a beam step request returned no logprobs"
+                    tops[out.request_id] = logprobs[0]
+                    pending.discard(out.request_id)
+            if pending and not engine.has_unfinished_requests():
+                raise RuntimeError(f"engine went idle with {len(pending)} beam requests unfinished")
+    except BaseException:
+        engine.abort_request(list(pending))
+        raise
+    return tops
+
+
+def _advance(
+    search: _PromptSearch,
+    tops: list[dict[int, Logprob]],
+    params: BeamSearchParams,
+    eos_ids: set[int],
+    num_candidates: int,
+) -> None:
+    """One step of one prompt's search, given the next-token log probabilities of each live beam."""
+    width = params.beam_width
+    generated = search.num_generated + 1  # length of every candidate's generated part
+    at_max = generated >= params.max_tokens
+    candidates: list[tuple[float, int, int]] = []  # (cumulative logprob, beam index, token)
+    for b, (beam, top) in enumerate(zip(search.beams, tops, strict=True)):
+        best = sorted(top.items(), key=lambda kv: kv[1].logprob, reverse=True)[:num_candidates]
+        candidates.extend((beam.cum_logprob + lp.logprob, b, token) for token, lp in best)
+    candidates.sort(key=lambda c: c[0], reverse=True)
+    candidates = candidates[:num_candidates]
+
+    running: list[_Beam] = []
+    ended: list[BeamSearchSequence] = []
+    for rank, (cum, b, token) in enumerate(candidates):
+        tokens = search.beams[b].tokens + [token]
+        is_eos = token in eos_ids
+        if at_max or is_eos:
+            # Only the top beam_width candidates may become finished hypotheses.
+            if rank < width:
+                ended.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        cum_logprob=cum,
+                        num_prompt_tokens=len(search.prompt_token_ids),
+                        score=cum / (generated**params.length_penalty),
+                        finish_reason="stop" if is_eos else "length",
+                    )
+                )
+        elif len(running) < width:
+            running.append(_Beam(tokens, cum))
+
+    if len(search.finished) < width and ended:
+        merged = search.finished + ended
+        merged.sort(key=lambda s: s.score, reverse=True)  # stable: earlier hypotheses win ties
+        search.finished = merged[:width]
+    search.beams = running
+    search.done = at_max or len(search.finished) == width or not running

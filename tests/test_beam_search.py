@@ -1,0 +1,119 @@
+"""Beam search: the hypotheses equal HF transformers' ``generate(num_beams=k, early_stopping=True)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pagedllm import BeamSearchOutput, BeamSearchParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nWhat is 2+2? Answer with one word.<|im_end|>\n<|im_start|>assistant\n",
+]
+BEAM_WIDTH = 3
+MAX_TOKENS = 12
+
+
+def hf_beam_search(
+    model: Any, prompt_ids: list[int], k: int, max_new_tokens: int, eos: list[int], length_penalty: float
+) -> list[tuple[list[int], float]]:
+    """HF's k finished hypotheses, best first: (prompt + generated token ids, score)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=k,
+            num_return_sequences=k,
+            do_sample=False,
+            early_stopping=True,
+            length_penalty=length_penalty,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()  # generated tokens of each hypothesis
+    n = len(prompt_ids)
+    return [
+        (out.sequences[i, : n + lengths[i]].tolist(), float(out.sequences_scores[i])) for i in range(k)
+    ]
+
+
+@pytest.fixture(scope="module")
+def beam_outputs(default_llm: Any) -> list[BeamSearchOutput]:
+    params = BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=MAX_TOKENS)
+    outs = default_llm.beam_search(PROMPTS, params)
+    default_llm.llm_engine.check_idle()
+    return outs
+
+
+def test_beam_search_matches_hf(
+    default_llm: Any, hf_default: tuple[Any, Any], beam_outputs: list[BeamSearchOutput]
+) -> None:
+    model, _ = hf_default
+    engine = default_llm.llm_engine
+    assert len(beam_outputs) == len(PROMPTS)
+    saw_eos = False
+    for prompt, out in zip(PROMPTS, beam_outputs, strict=True):
+        prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+        assert out.prompt_token_ids == prompt_ids
+        expected = hf_beam_search(model, prompt_ids, BEAM_WIDTH, MAX_TOKENS, engine.eos_token_ids, 1.0)
+        ours = [(s.tokens, s.score) for s in out.sequences]
+        # Best beam: exact token ids. All hypotheses: same tokens and scores (fp32 on both sides).
+        assert ours[0][0] == expected[0][0], f"{prompt!r}:\nours {ours[0][0]}\nhf   {expected[0][0]}"
+        assert [t for t, _ in ours] == [t for t, _ in expected], prompt
+        for (_, score), (_, hf_score) in zip(ours, expected, strict=True):
+            assert score == pytest.approx(hf_score, abs=2e-3)
+        saw_eos |= any(s.finish_reason == "stop" for s in out.sequences)
+    assert saw_eos, "no hypothesis ended with EOS: the finishing path is untested"
+
+
+def test_sequences_sorted_and_consistent(default_llm: Any, beam_outputs: list[BeamSearchOutput]) -> None:
+    tokenizer = default_llm.get_tokenizer()
+    eos = set(default_llm.llm_engine.eos_token_ids)
+    for out in beam_outputs:
+        seqs = out.sequences
+        assert len(seqs) == BEAM_WIDTH
+        scores = [s.score for s in seqs]
+        assert scores == sorted(scores, reverse=True)
+        for s in seqs:
+            generated = s.output_token_ids
+            assert s.tokens[: len(out.prompt_token_ids)] == out.prompt_token_ids
+            assert 1 <= len(generated) <= MAX_TOKENS
+            assert s.score == pytest.approx(s.cum_logprob / len(generated))
+            assert s.text == tokenizer.decode(generated, skip_special_tokens=True)
+            ends_eos = generated[-1] in eos
+            assert s.finish_reason == ("stop" if ends_eos else "length")
+            assert ends_eos or len(generated) == MAX_TOKENS
+            assert not eos & set(generated[:-1])
+
+
+def test_length_penalty_and_ignore_eos(default_llm: Any, hf_default: tuple[Any, Any]) -> None:
+    model, _ = hf_default
+    engine = default_llm.llm_engine
+    prompt = PROMPTS[2]
+    params = BeamSearchParams(beam_width=2, max_tokens=8, length_penalty=0.5)
+    (out,) = default_llm.beam_search([prompt], params)
+    expected = hf_beam_search(model, out.prompt_token_ids, 2, 8, engine.eos_token_ids, 0.5)
+    assert [s.tokens for s in out.sequences] == [t for t, _ in expected]
+
+    (out,) = default_llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    assert [len(s.output_token_ids) for s in out.sequences] == [6, 6]
+    assert all(s.finish_reason == "length" for s in out.sequences)
+    engine.check_idle()
+
+
+def test_beam_search_rejects_bad_arguments(default_llm: Any) -> None:
+    with pytest.raises(ValueError, match="max_logprobs"):
+        default_llm.beam_search(["Hi"], BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="maximum context length"):
+        default_llm.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=5000))
+    with pytest.raises(ValueError, match="empty"):
+        default_llm.beam_search([""], BeamSearchParams(beam_width=2, max_tokens=2))
+    default_llm.llm_engine.check_idle()
