@@ -1,9 +1,15 @@
 """pagedllm: an LLM inference and serving engine with a paged KV cache and continuous batching."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
-from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
 
@@ -19,3 +25,12 @@ __all__ = [
     "StructuredOutputsParams",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch and transformers; import it on first use so light imports stay fast.
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

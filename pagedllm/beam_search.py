@@ -112,13 +112,13 @@ def beam_search(
         )
     searches: list[_PromptSearch] = []
     for prompt in prompts:
-        text, ids = engine._tokenize(prompt)
-        if len(ids) + params.max_tokens > engine.max_model_len:
+        prompt_text, prompt_ids = engine._tokenize(prompt)
+        if len(prompt_ids) + params.max_tokens > engine.max_model_len:
             raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} is longer than the "
+                f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} is longer than the "
                 f"model's maximum context length of {engine.max_model_len} tokens."
             )
-        searches.append(_PromptSearch(text, ids, [_Beam(list(ids), 0.0)]))
+        searches.append(_PromptSearch(prompt_text, prompt_ids, [_Beam(list(prompt_ids), 0.0)]))
 
     step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=num_candidates, ignore_eos=True)
     prefix = f"beam-{uuid.uuid4().hex[:12]}-"
@@ -140,7 +140,7 @@ def beam_search(
     tokenizer = engine.tokenizer
     for search in searches:
         for seq in search.finished:
-            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            seq.text = str(tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
     return [BeamSearchOutput(s.finished, s.prompt, s.prompt_token_ids) for s in searches]
 
 

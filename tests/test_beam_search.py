@@ -40,17 +40,25 @@ def hf_beam_search(
         )
     lengths = (out.beam_indices >= 0).sum(dim=1).tolist()  # generated tokens of each hypothesis
     n = len(prompt_ids)
-    return [
-        (out.sequences[i, : n + lengths[i]].tolist(), float(out.sequences_scores[i])) for i in range(k)
-    ]
+    return [(out.sequences[i, : n + lengths[i]].tolist(), float(out.sequences_scores[i])) for i in range(k)]
 
 
 @pytest.fixture(scope="module")
-def beam_outputs(default_llm: Any) -> list[BeamSearchOutput]:
+def beam_run(default_llm: Any) -> tuple[list[BeamSearchOutput], int, int]:
+    """The outputs, plus the prompt tokens queried and hit in the prefix cache during the search."""
+    engine = default_llm.llm_engine
+    before = engine.get_stats()
     params = BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=MAX_TOKENS)
     outs = default_llm.beam_search(PROMPTS, params)
-    default_llm.llm_engine.check_idle()
-    return outs
+    after = engine.get_stats()
+    engine.check_idle()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    return outs, queries, after.prefix_cache_hits - before.prefix_cache_hits
+
+
+@pytest.fixture(scope="module")
+def beam_outputs(beam_run: tuple[list[BeamSearchOutput], int, int]) -> list[BeamSearchOutput]:
+    return beam_run[0]
 
 
 def test_beam_search_matches_hf(
@@ -92,6 +100,17 @@ def test_sequences_sorted_and_consistent(default_llm: Any, beam_outputs: list[Be
             assert s.finish_reason == ("stop" if ends_eos else "length")
             assert ends_eos or len(generated) == MAX_TOKENS
             assert not eos & set(generated[:-1])
+
+
+def test_beams_share_prefix_blocks(beam_run: tuple[list[BeamSearchOutput], int, int]) -> None:
+    outs, queries, hits = beam_run
+    # Every step request after the first re-submits its beam's prefix: the full blocks of it that an
+    # earlier step computed come from the prefix cache. With 16-token blocks, each beam of the
+    # longest prompt (> 16 tokens) hits at least one block at every step after the first.
+    longest = max(len(o.prompt_token_ids) for o in outs)
+    assert longest > 16
+    assert hits >= (MAX_TOKENS // 2) * BEAM_WIDTH * 16
+    assert hits < queries
 
 
 def test_length_penalty_and_ignore_eos(default_llm: Any, hf_default: tuple[Any, Any]) -> None:

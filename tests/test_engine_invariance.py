@@ -55,8 +55,9 @@ def compare(a, b, label):
 @pytest.mark.slow
 def test_alone_vs_batch_of_16(default_llm, baseline):
     assert len(PROMPTS) == 16
-    alone = [run(default_llm, [p])[0][0] for p in PROMPTS]
-    compare(alone, baseline, "alone vs batch")
+    picked = [0, 3, 4, 9, 12, 15]  # shared-prefix and distinct prompts, each run alone
+    alone = [run(default_llm, [PROMPTS[i]])[0][0] for i in picked]
+    compare(alone, [baseline[i] for i in picked], "alone vs batch of 16")
 
 
 @pytest.mark.slow

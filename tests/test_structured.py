@@ -118,7 +118,11 @@ CASES: list[tuple[str, str, SamplingParams]] = [
             temperature=0, max_tokens=MAX_TOKENS, structured_outputs=_so(json=json.dumps(ITEMS_SCHEMA))
         ),
     ),
-    ("regex_phone", "Call me at", SamplingParams(temperature=0, max_tokens=16, structured_outputs=_so(regex=PHONE_REGEX))),
+    (
+        "regex_phone",
+        "Call me at",
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs=_so(regex=PHONE_REGEX)),
+    ),
     (
         "regex_words",
         "My favourite animal:",
@@ -132,7 +136,9 @@ CASES: list[tuple[str, str, SamplingParams]] = [
     (
         "choice_ignore_eos",
         "Is the sky blue? Answer:",
-        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, structured_outputs=_so(choice=["yes", "no"])),
+        SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, structured_outputs=_so(choice=["yes", "no"])
+        ),
     ),
     (
         "json_object",

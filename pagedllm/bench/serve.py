@@ -290,7 +290,7 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
 
 
 def token_timeline(results: list[RequestResult], duration: float, bin_s: float) -> dict[str, Any]:
-    """Output tokens/s and requests in flight per ``bin_s``-second bin of the run."""
+    """Output tokens/s and the mean number of requests in flight in each ``bin_s``-second bin."""
     nbins = max(1, math.ceil(duration / bin_s))
     tokens = np.zeros(nbins)
     in_flight = np.zeros(nbins)
@@ -300,9 +300,11 @@ def token_timeline(results: list[RequestResult], duration: float, bin_s: float) 
             tokens[min(int(t / bin_s), nbins - 1)] += cum - prev
             prev = cum
         if r.success:
-            lo = int(r.start / bin_s)
-            hi = min(int((r.start + r.latency) / bin_s), nbins - 1)
-            in_flight[lo : hi + 1] += 1
+            # Time-weighted: the fraction of each bin the request spent in flight.
+            end = r.start + r.latency
+            for b in range(int(r.start / bin_s), min(int(end / bin_s), nbins - 1) + 1):
+                overlap = min(end, (b + 1) * bin_s) - max(r.start, b * bin_s)
+                in_flight[b] += max(0.0, overlap) / bin_s
     return {
         "bin_s": bin_s,
         "time_s": [(i + 0.5) * bin_s for i in range(nbins)],
@@ -348,18 +350,28 @@ def write_plots(
     fig.savefig(cdf_path, dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot(timeline["time_s"], timeline["output_tokens_per_s"], label="output tokens/s")
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.plot(
+        timeline["time_s"], timeline["output_tokens_per_s"], drawstyle="steps-mid", label="output tokens/s"
+    )
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
     ax2.plot(
-        timeline["time_s"], timeline["requests_in_flight"], color="tab:orange", alpha=0.6, label="in flight"
+        timeline["time_s"],
+        timeline["requests_in_flight"],
+        drawstyle="steps-mid",
+        color="tab:orange",
+        alpha=0.7,
+        label="requests in flight (mean over the bin)",
     )
     ax2.set_ylabel("requests in flight")
+    ax2.set_ylim(bottom=0)
     ax.set_title(f"Throughput over time: {title}")
-    fig.legend(loc="upper right")
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [str(line.get_label()) for line in lines], loc="lower right", fontsize="small")
     fig.tight_layout()
     tps_path = os.path.join(plot_dir, "throughput_over_time.png")
     fig.savefig(tps_path, dpi=100)

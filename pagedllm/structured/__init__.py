@@ -5,13 +5,16 @@ carries a :class:`GrammarState` that the output processor advances with every to
 runner masks the tokens its grammar does not allow (:func:`apply_grammar_bitmask`) before sampling.
 """
 
+from pagedllm.structured.benchmark import StructuredThroughput, measure_structured_throughput
 from pagedllm.structured.grammar import GrammarState, apply_grammar_bitmask
 from pagedllm.structured.manager import StructuredOutputManager, choice_grammar, grammar_key
 
 __all__ = [
     "GrammarState",
     "StructuredOutputManager",
+    "StructuredThroughput",
     "apply_grammar_bitmask",
     "choice_grammar",
     "grammar_key",
+    "measure_structured_throughput",
 ]

@@ -34,8 +34,12 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     properties follow the schema's order, so schemas differing only in key order are different.
     """
     if params.json is not None:
-        spec = params.json if isinstance(params.json, str) else json.dumps(params.json)
-        return "json", spec
+        if isinstance(params.json, str):
+            return "json", params.json
+        try:
+            return "json", json.dumps(params.json)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.json: invalid JSON schema (not serializable: {e}).") from None
     if params.regex is not None:
         return "regex", params.regex
     if params.choice is not None:
@@ -112,7 +116,9 @@ class StructuredOutputManager:
             try:
                 json.loads(spec)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json: invalid JSON schema (not valid JSON: {e}).") from None
+                raise ValueError(
+                    f"structured_outputs.json: invalid JSON schema (not valid JSON: {e})."
+                ) from None
         try:
             if kind == "json":
                 return self.compiler.compile_json_schema(spec, any_whitespace=self.any_whitespace)
@@ -124,7 +130,9 @@ class StructuredOutputManager:
                 return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
             return self.compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"structured_outputs.{kind}: invalid {_KIND_NAMES[kind]}: {_describe(e)}") from None
+            raise ValueError(
+                f"structured_outputs.{kind}: invalid {_KIND_NAMES[kind]}: {_describe(e)}"
+            ) from None
 
     def new_state(self, compiled: xgr.CompiledGrammar) -> GrammarState:
         """A fresh matcher for one sequence."""

@@ -1,0 +1,280 @@
+"""Decode CUDA graphs: bucket selection and input padding (pure functions), the static-buffer decode
+path on CPU (no capture there, the same forward replays eagerly), a real capture on CUDA, and the GPU
+benchmark script end to end in its tiny CPU configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.config import ModelConfig
+from pagedllm.worker.cuda_graphs import (
+    CUDAGraphRunner,
+    DecodeInputs,
+    capture_batch_sizes,
+    fill_decode_inputs,
+    graph_memory_estimate,
+    select_batch_size,
+)
+from reference import assert_greedy_close
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Buckets
+# --------------------------------------------------------------------------------------------------
+
+
+def test_capture_batch_sizes() -> None:
+    assert capture_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(5) == [1, 2, 4, 5]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    with pytest.raises(ValueError):
+        capture_batch_sizes(0)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 20, 100, 256])
+def test_select_batch_size_is_the_smallest_bucket_that_fits(max_num_seqs: int) -> None:
+    sizes = capture_batch_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs
+    for n in range(1, max_num_seqs + 1):
+        bucket = select_batch_size(sizes, n)
+        assert bucket is not None and bucket >= n
+        assert all(s < n for s in sizes if s < bucket)
+    assert select_batch_size(sizes, max_num_seqs + 1) is None
+    with pytest.raises(ValueError):
+        select_batch_size(sizes, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Input padding
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fill_decode_inputs_pads_rows_to_the_bucket() -> None:
+    bs = 4
+    out = DecodeInputs.zeros(max_rows=8, max_blocks_per_seq=6)
+    # Stale values from an earlier, wider batch must not leak into padding rows.
+    out.input_ids[:] = 99
+    out.positions[:] = 99
+    out.slot_mapping[:] = 99
+    out.seq_lens[:] = 99
+    out.block_tables[:] = 77
+    token_ids = [11, 12, 13]
+    positions = [0, 5, 9]  # contexts of 1, 6 and 10 tokens
+    tables = [[7, 50], [3, 8, 60], [2, 4, 9, 70]]  # may hold more blocks than the context covers
+    width = fill_decode_inputs(token_ids, positions, tables, bs, 4, out)
+
+    assert width == 3  # position 9 is in logical block 2
+    assert out.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert out.positions[:4].tolist() == [0, 5, 9, 0]
+    assert out.seq_lens[:4].tolist() == [1, 6, 10, 1]
+    # slot = block_table[pos // bs] * bs + pos % bs; padding writes nowhere.
+    assert out.slot_mapping[:4].tolist() == [7 * bs + 0, 8 * bs + 1, 9 * bs + 1, -1]
+    table = out.block_tables[: 4 * width].reshape(4, width)
+    assert table[0, :1].tolist() == [7]
+    assert table[1, :2].tolist() == [3, 8]
+    assert table[2, :3].tolist() == [2, 4, 9]
+    assert table[3, 0] == 0  # padding attends to block 0, always a valid block
+    # Rows beyond the bucket are untouched.
+    assert out.input_ids[4] == 99 and out.slot_mapping[4] == 99
+
+
+def test_fill_decode_inputs_full_bucket_and_errors() -> None:
+    out = DecodeInputs.zeros(max_rows=2, max_blocks_per_seq=2)
+    width = fill_decode_inputs([5, 6], [16, 31], [[1, 2], [3, 4]], 16, 2, out)
+    assert width == 2
+    assert out.slot_mapping.tolist() == [2 * 16, 4 * 16 + 15]
+    assert out.block_tables.reshape(2, 2).tolist() == [[1, 2], [3, 4]]
+    with pytest.raises(ValueError):
+        fill_decode_inputs([1, 2, 3], [0, 0, 0], [[0]] * 3, 16, 2, out)  # more rows than the bucket
+    with pytest.raises(ValueError):
+        fill_decode_inputs([1], [40], [[0, 1, 2]], 16, 2, out)  # table wider than the staging buffer
+
+
+def test_graph_memory_estimate_grows_with_the_batch() -> None:
+    cfg = ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    small = graph_memory_estimate(cfg, 8, torch.bfloat16)
+    large = graph_memory_estimate(cfg, 256, torch.bfloat16)
+    assert 128 << 20 < small < large
+    # The shared float32 logits output of the largest bucket dominates.
+    assert large > 256 * 151936 * 4
+
+
+# --------------------------------------------------------------------------------------------------
+# The static-buffer decode path on CPU
+# --------------------------------------------------------------------------------------------------
+
+
+def _outputs(llm: Any, prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
+    return [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.slow
+def test_static_decode_path_matches_eager_on_cpu(tmp_path: Path) -> None:
+    """Bucketed, padded decode steps over the static buffers give the eager engine's tokens."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from model_factory import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path, "qwen3", tie_word_embeddings=True, initializer_range=0.2)
+    llm = LLM(
+        path,
+        attention_backend="triton",
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=4,
+        num_kv_blocks=64,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
+    prompts = [list(range(5, 22)), [100, 200, 300], [7] * 40]
+    params = [SamplingParams(temperature=0, max_tokens=m, logprobs=3, ignore_eos=True) for m in (6, 3, 5)]
+    eager = _outputs(llm, prompts, params)
+
+    runner = llm.llm_engine.runner
+    assert runner.kv_cache is not None
+    graphs = CUDAGraphRunner(
+        runner.model,
+        runner.kv_cache.layers,
+        max_num_seqs=4,
+        max_model_len=256,
+        block_size=llm.llm_engine.config.block_size,
+        device=torch.device("cpu"),
+    )
+    graphs.capture()
+    buckets: list[int] = []
+    replay = graphs.replay
+
+    def counting_replay(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buckets.append(batch_size)
+        return replay(batch_size)
+
+    graphs.replay = counting_replay  # type: ignore[method-assign]
+    runner.cuda_graphs = graphs
+    try:
+        replayed = _outputs(llm, prompts, params)
+    finally:
+        runner.cuda_graphs = None
+    # Three requests decode in the bucket of 4 (one padding row), then 2, then 1 as they finish.
+    assert buckets and set(buckets) <= {1, 2, 4} and 4 in buckets and 1 in buckets
+    for a, b in zip(eager, replayed, strict=True):
+        assert a.token_ids == b.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            for tok in step_a:
+                assert abs(step_a[tok].logprob - step_b[tok].logprob) < 1e-4
+    llm.llm_engine.check_idle()
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_match_eager_on_gpu(tmp_path: Path) -> None:
+    from model_factory import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path, "qwen3", tie_word_embeddings=True, initializer_range=0.2)
+    common: dict[str, Any] = {
+        "device": "cuda",
+        "dtype": "float32",
+        "max_num_seqs": 20,
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
+    graphed = LLM(path, **common)
+    eager = LLM(path, enforce_eager=True, **common)
+    graphs = graphed.llm_engine.runner.cuda_graphs
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8, 16, 20]
+    assert graphs.capture_time_s is not None
+    assert eager.llm_engine.runner.cuda_graphs is None
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 49152, int(n)).tolist() for n in rng.integers(1, 200, 19)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=int(m), logprobs=5, ignore_eos=True)
+        for m in rng.integers(1, 40, 19)
+    ]
+    a = _outputs(graphed, prompts, params)
+    b = _outputs(eager, prompts, params)
+    # Graphs use a fixed split of the context, so near-ties may flip.
+    for x, y in zip(a, b, strict=True):
+        assert_greedy_close(x.token_ids, x.logprobs, y.token_ids, y.logprobs, "graphs vs eager")
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU benchmark script, tiny and on CPU
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
+    out_json = tmp_path / "results.json"
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "TRITON_INTERPRET": "1"}
+    os.makedirs(env["OUT"])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "gpu" / "run_gpu.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--output-json",
+            str(out_json),
+        ],
+        cwd=tmp_path,  # the script finds the package from its own location
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The summary table comes last.
+    last_lines = proc.stdout.strip().splitlines()[-3:]
+    assert last_lines[-1].startswith("overall"), proc.stdout[-2000:]
+    results = json.loads(out_json.read_text())
+    assert json.loads((tmp_path / "out" / "gpu_results.json").read_text()) == results
+    assert results["passed"] is True
+    assert results["settings"]["tiny"] is True
+    assert (
+        results["kernels"]["passed"] and results["kernels"]["num_passed"] == results["kernels"]["num_cases"]
+    )
+    assert results["equivalence"]["vs_hf"]["passed"]
+    assert results["equivalence"]["graphs_vs_eager"]["status"] == "skipped"
+    throughput = results["throughput"]
+    engine = throughput["engine"]
+    assert engine["num_requests"] == 8 and engine["output_tokens"] == engine["expected_output_tokens"]
+    assert engine["output_tokens_per_s"] > 0 and throughput["startup_s"] > 0
+    decode = results["decode"]
+    assert decode["num_running"] == 8
+    for key in ("step_ms", "forward_ms", "prepare_ms", "sample_ms", "host_overhead_fraction"):
+        assert decode[key] is not None and decode[key] >= 0
+    roofline = results["roofline"]
+    assert roofline["bytes_per_step"] > roofline["weight_bytes"] > 0
+    assert 0 < roofline["fraction_of_roofline_forward"]
+    hf = results["hf"]
+    assert hf["hf"]["output_tokens_per_s"] > 0 and hf["engine"]["num_requests"] == hf["hf"]["num_requests"]
+    assert "of the 8 workload requests" in hf["note"]
