@@ -25,7 +25,7 @@ import itertools
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -88,6 +88,79 @@ class _PromptSearch:
         return len(self.beams[0].tokens) - len(self.prompt_token_ids)
 
 
+class BeamSearchRun:
+    """The state of a beam search over a batch of prompts, advanced one token per step by a caller.
+
+    The caller runs the one-token requests of :meth:`step_prompts` with :attr:`step_params` through an
+    engine (synchronous or asynchronous) and hands their top next-token log probabilities, in the same
+    order, to :meth:`advance`, until :attr:`done`. ``prompts`` are ``(text, token_ids)`` pairs.
+
+    Raises ValueError if a prompt is empty or too long for ``max_tokens`` more tokens, or the beam width
+    needs more log probabilities than ``max_logprobs``.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[tuple[str | None, list[int]]],
+        params: BeamSearchParams,
+        *,
+        eos_token_ids: Sequence[int],
+        max_logprobs: int,
+        max_model_len: int,
+    ) -> None:
+        if params.temperature != 0.0:
+            raise ValueError("beam search is deterministic; temperature must be 0.")
+        width = params.beam_width
+        self.params = params
+        self.eos_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.num_candidates = max(2, 1 + len(eos_token_ids)) * width
+        if self.num_candidates > max_logprobs:
+            raise ValueError(
+                f"beam_width {width} needs the top {self.num_candidates} log probabilities per step, more "
+                f"than the engine's max_logprobs={max_logprobs}."
+            )
+        self.searches: list[_PromptSearch] = []
+        for prompt_text, prompt_ids in prompts:
+            if not prompt_ids:
+                raise ValueError("prompt must not be empty.")
+            if len(prompt_ids) + params.max_tokens > max_model_len:
+                raise ValueError(
+                    f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} is longer than "
+                    f"the model's maximum context length of {max_model_len} tokens."
+                )
+            self.searches.append(
+                _PromptSearch(prompt_text, list(prompt_ids), [_Beam(list(prompt_ids), 0.0)])
+            )
+        self.step_params = SamplingParams(
+            temperature=0.0, max_tokens=1, logprobs=self.num_candidates, ignore_eos=True
+        )
+        self._live: list[_PromptSearch] = []
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.searches)
+
+    def step_prompts(self) -> list[list[int]]:
+        """The token ids of every live beam of every unfinished prompt: this step's requests."""
+        self._live = [s for s in self.searches if not s.done]
+        return [beam.tokens for s in self._live for beam in s.beams]
+
+    def advance(self, tops: Sequence[dict[int, Logprob]]) -> None:
+        """Advance every unfinished prompt by one token, given the results of :meth:`step_prompts`."""
+        it = iter(tops)
+        for search in self._live:
+            _advance(search, [next(it) for _ in search.beams], self.params, self.eos_ids, self.num_candidates)
+        self._live = []
+
+    def outputs(self, tokenizer: Any = None) -> list[BeamSearchOutput]:
+        """One output per prompt, in order; ``tokenizer`` (if given) decodes each hypothesis' text."""
+        if tokenizer is not None:
+            for search in self.searches:
+                for seq in search.finished:
+                    seq.text = str(tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
+        return [BeamSearchOutput(s.finished, s.prompt, s.prompt_token_ids) for s in self.searches]
+
+
 def beam_search(
     engine: LLMEngine,
     prompts: Sequence[str | list[int]],
@@ -100,48 +173,22 @@ def beam_search(
     before running anything if a prompt is invalid, too long for ``max_tokens`` more tokens, or the
     beam width needs more log probabilities than the engine reports (``max_logprobs``).
     """
-    if params.temperature != 0.0:
-        raise ValueError("beam search is deterministic; temperature must be 0.")
-    width = params.beam_width
-    eos_ids = set() if params.ignore_eos else set(engine.eos_token_ids)
-    num_candidates = max(2, 1 + len(engine.eos_token_ids)) * width
-    if num_candidates > engine.config.max_logprobs:
-        raise ValueError(
-            f"beam_width {width} needs the top {num_candidates} log probabilities per step, more than the "
-            f"engine's max_logprobs={engine.config.max_logprobs}."
-        )
-    searches: list[_PromptSearch] = []
-    for prompt in prompts:
-        prompt_text, prompt_ids = engine._tokenize(prompt)
-        if len(prompt_ids) + params.max_tokens > engine.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} is longer than the "
-                f"model's maximum context length of {engine.max_model_len} tokens."
-            )
-        searches.append(_PromptSearch(prompt_text, prompt_ids, [_Beam(list(prompt_ids), 0.0)]))
-
-    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=num_candidates, ignore_eos=True)
+    run = BeamSearchRun(
+        [engine._tokenize(prompt) for prompt in prompts],
+        params,
+        eos_token_ids=engine.eos_token_ids,
+        max_logprobs=engine.config.max_logprobs,
+        max_model_len=engine.max_model_len,
+    )
     prefix = f"beam-{uuid.uuid4().hex[:12]}-"
     counter = itertools.count()
     with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True) as bar:
-        while not all(s.done for s in searches):
-            live = [s for s in searches if not s.done]
-            request_ids = [[f"{prefix}{next(counter)}" for _ in s.beams] for s in live]
-            step_requests = [
-                (rid, beam.tokens)
-                for s, ids in zip(live, request_ids, strict=True)
-                for rid, beam in zip(ids, s.beams, strict=True)
-            ]
-            tops = _next_token_logprobs(engine, step_requests, step_params)
-            for search, ids in zip(live, request_ids, strict=True):
-                _advance(search, [tops[rid] for rid in ids], params, eos_ids, num_candidates)
+        while not run.done:
+            step_requests = [(f"{prefix}{next(counter)}", tokens) for tokens in run.step_prompts()]
+            tops = _next_token_logprobs(engine, step_requests, run.step_params)
+            run.advance([tops[rid] for rid, _ in step_requests])
             bar.update(1)
-
-    tokenizer = engine.tokenizer
-    for search in searches:
-        for seq in search.finished:
-            seq.text = str(tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
-    return [BeamSearchOutput(s.finished, s.prompt, s.prompt_token_ids) for s in searches]
+    return run.outputs(engine.tokenizer)
 
 
 def _next_token_logprobs(

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import cached_checkpoint
+
 from pagedllm.bench import baselines
 from pagedllm.bench.common import distribution
 from pagedllm.bench.serve import RequestResult, arrival_offsets, parse_slo, summarize
@@ -72,7 +72,7 @@ def test_throughput_random_with_baselines(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(baselines, "load_hf_model", lambda model: hf_default[0])
+    monkeypatch.setattr(baselines, "load_hf_model", lambda model, device="cpu": hf_default[0])
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", *TINY_WORKLOAD, *TINY_ENGINE, "--baseline", "hf-static,hf-cb"]
     argv += ["--baseline-batch-size", "2", "--roofline-json", str(roofline_json), "--output-json", str(out)]
@@ -124,7 +124,7 @@ def test_throughput_prefix_compare_caching(tmp_path: Path) -> None:
     argv = ["bench", "throughput", "--workload", "prefix", "--num-prompts", "4", "--prefix-len", "48"]
     argv += ["--suffix-len", "2:4", "--output-len", "2:3", *TINY_ENGINE, "--compare-prefix-caching"]
     # A small token budget admits the requests over several steps, so later ones find the prefix cached.
-    argv += ["--max-num-batched-tokens", "64", "--output-json", str(out)]
+    argv += ["--max-num-batched-tokens", "64", "--no-warmup", "--output-json", str(out)]
     assert main(argv) == 0
     data = _read(out)
     assert data["workload"]["name"] == "prefix" and data["workload"]["prefix_len"] == 48
@@ -165,13 +165,26 @@ def test_serve_against_a_real_server(tmp_path: Path) -> None:
     plots = tmp_path / "plots"
     with RemoteServer([*TINY_ENGINE]) as server:
         argv = ["bench", "serve", "--base-url", server.base_url, "--num-prompts", "4", "--input-len", "8:16"]
-        argv += ["--output-len", "2:4", "--max-concurrency", "2", "--request-rate", "50", "--burstiness", "0.5"]
+        argv += [
+            "--output-len",
+            "2:4",
+            "--max-concurrency",
+            "2",
+            "--request-rate",
+            "50",
+            "--burstiness",
+            "0.5",
+        ]
         argv += ["--slo", "ttft:60000,tpot:60000", "--compare-offline", *TINY_ENGINE]
         argv += ["--output-json", str(out), "--plot-dir", str(plots)]
         assert main(argv) == 0, server.log_tail()
     data = _read(out)
     assert data["completed"] == 4 and data["failed"] == 0
-    assert data["total_output_tokens"] == data["requested_output_tokens"] == data["workload"]["num_output_tokens"]
+    assert (
+        data["total_output_tokens"]
+        == data["requested_output_tokens"]
+        == data["workload"]["num_output_tokens"]
+    )
     for key in ("request_throughput", "output_throughput", "total_token_throughput", "duration_s"):
         assert data[key] > 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
@@ -184,9 +197,9 @@ def test_serve_against_a_real_server(tmp_path: Path) -> None:
     for r in data["requests"]:
         assert r["success"] and r["e2el_s"] >= r["ttft_s"] > 0
         assert r["output_tokens"] == r["requested_output_len"]
-    assert sum(t * data["timeline"]["bin_s"] for t in data["timeline"]["output_tokens_per_s"]) == pytest.approx(
-        data["total_output_tokens"]
-    )
+    assert sum(
+        t * data["timeline"]["bin_s"] for t in data["timeline"]["output_tokens_per_s"]
+    ) == pytest.approx(data["total_output_tokens"])
     offline = data["offline"]
     assert offline["max_num_seqs"] == 2  # capped at --max-concurrency, as the server's clients were
     assert offline["total_output_tokens"] == data["total_output_tokens"]

@@ -107,7 +107,7 @@ def test_fill_decode_inputs_full_bucket_and_errors() -> None:
 
 def test_graph_memory_estimate_grows_with_the_batch() -> None:
     cfg = ModelConfig(
-        architecture="Qwen3ForCausalLM",
+        architecture="qwen3",
         vocab_size=151936,
         hidden_size=1024,
         intermediate_size=3072,

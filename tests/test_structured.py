@@ -210,6 +210,7 @@ def test_unconstrained_rows_unaffected(default_llm: Any, mixed_outputs: dict[str
     [
         (_so(json={"type": "object", "properties": {"a": {"type": "foo"}}}), "structured_outputs.json.*foo"),
         (_so(json='{"type": "object", "properties": '), "structured_outputs.json.*not valid JSON"),
+        (_so(json={"type": "object", "default": {1, 2}}), "structured_outputs.json.*not serializable"),
         (_so(regex="a(b"), "structured_outputs.regex.*invalid regex.*parenthesis"),
         (_so(regex="[z-a]"), "structured_outputs.regex.*invalid regex"),
         (_so(grammar="root ::= item\n"), "structured_outputs.grammar.*item"),

@@ -95,6 +95,11 @@ class ModelShape:
 
 QWEN3_0_6B = ModelShape(1024, 28, 16, 8, 128, 3072)
 TINY_QWEN3 = ModelShape(64, 2, 4, 2, 32, 128)
+# The equivalence check's stand-in when the default model is not installed.
+SMALL_QWEN3 = ModelShape(512, 4, 8, 4, 128, 1024)
+# Weights ten times the usual initialisation scale give peaked next-token distributions, so that
+# comparisons of greedy tokens are not dominated by near-ties.
+SHARP_INIT = 0.2
 
 
 @dataclass
@@ -111,6 +116,7 @@ class Settings:
     decode_running: int
     decode_prompt_len: int
     decode_steps: int
+    equivalence_shape: ModelShape
     equivalence_prompts: int
     equivalence_tokens: int
     copy_bytes: int
@@ -130,6 +136,7 @@ FULL = Settings(
     decode_running=256,
     decode_prompt_len=512,
     decode_steps=20,
+    equivalence_shape=SMALL_QWEN3,
     equivalence_prompts=8,
     equivalence_tokens=32,
     copy_bytes=1 << 30,
@@ -148,6 +155,7 @@ TINY = Settings(
     decode_running=8,
     decode_prompt_len=16,
     decode_steps=3,
+    equivalence_shape=TINY_QWEN3,
     equivalence_prompts=2,
     equivalence_tokens=6,
     copy_bytes=64 << 20,
@@ -598,8 +606,12 @@ def small_engine_args(device: torch.device, dtype_name: str) -> dict[str, Any]:
 
 
 def section_equivalence(
-    settings: Settings, device: torch.device, dtype_name: str, model_arg: str | None
+    settings: Settings, device: torch.device, dtype_name: str, model_arg: str | None, random_prompts: bool
 ) -> dict[str, Any]:
+    """The engine against transformers (and CUDA graphs against eager) on ``model_arg``'s greedy tokens.
+
+    ``random_prompts``: seeded random token ids (for random-weight models) instead of text prompts.
+    """
     from pagedllm import LLM
     from pagedllm.model.loader import resolve_model_path
 
@@ -610,11 +622,24 @@ def section_equivalence(
     t0 = time.perf_counter()
     dtype = getattr(torch, dtype_name)
     llm = LLM(model_arg, **small_engine_args(device, dtype_name))
-    tokenizer = llm.get_tokenizer()
-    prompts = [list(tokenizer(p).input_ids) for p in EQUIVALENCE_PROMPTS[: settings.equivalence_prompts]]
+    if random_prompts:
+        rng = random.Random(5)
+        vocab = llm.llm_engine.vocab_size
+        prompts = [
+            [rng.randrange(vocab) for _ in range(rng.randint(4, 40))]
+            for _ in range(settings.equivalence_prompts)
+        ]
+    else:
+        tokenizer = llm.get_tokenizer()
+        prompts = [list(tokenizer(p).input_ids) for p in EQUIVALENCE_PROMPTS[: settings.equivalence_prompts]]
     n = settings.equivalence_tokens
     ours = engine_greedy(llm, prompts, n)
-    result: dict[str, Any] = {"model": model_arg or "default", "dtype": dtype_name, "max_tokens": n}
+    result: dict[str, Any] = {
+        "model": model_arg or "default",
+        "dtype": dtype_name,
+        "max_tokens": n,
+        "prompts": "random token ids" if random_prompts else "text",
+    }
 
     hf = load_hf_model(model_arg, dtype, device)
     statuses = []
@@ -671,9 +696,15 @@ def trivial_tokenizer(vocab_size: int) -> Any:
 
 
 def write_random_model(
-    shape: ModelShape, out_dir: str, device: torch.device, dtype: torch.dtype, seed: int
+    shape: ModelShape,
+    out_dir: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    initializer_range: float = 0.02,
 ) -> dict[str, Any]:
-    """Write a Qwen3 checkpoint with random weights and a tokenizer into ``out_dir``."""
+    """Write a Qwen3 checkpoint with random weights (normal, std ``initializer_range``) and a
+    tokenizer into ``out_dir``."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from pagedllm.model.loader import default_model_path
@@ -691,6 +722,7 @@ def write_random_model(
         head_dim=shape.head_dim,
         max_position_embeddings=shape.max_position_embeddings,
         rms_norm_eps=1e-6,
+        initializer_range=initializer_range,
         tie_word_embeddings=True,
         bos_token_id=151643,  # Qwen3's <|endoftext|>
         eos_token_id=151645,  # Qwen3's <|im_end|>
@@ -719,6 +751,7 @@ def write_random_model(
         trivial_tokenizer(shape.vocab_size).save_pretrained(out_dir)
     return {
         "path": out_dir,
+        "initializer_range": initializer_range,
         "num_params": num_params,
         "tokenizer": tokenizer_source,
         "seconds": time.perf_counter() - t0,
@@ -1367,27 +1400,24 @@ class Run:
         args, settings, device = self.args, self.settings, self.device
         if self.wants("kernels"):
             run_section(self.results, "kernels", lambda: section_kernels(settings, device, args.seed))
-        # --tiny checks equivalence on the tiny random model unless --model names a checkpoint.
+        # --tiny shares one sharp tiny model between the equivalence check and the benchmarks.
         tiny_reference = args.tiny and args.model is None and self.wants("equivalence")
         if self.wants("throughput", "decode", "roofline", "hf") or tiny_reference:
             info = run_section(
                 self.results,
                 "random_model",
                 lambda: write_random_model(
-                    settings.shape, os.path.join(self.workdir, "qwen3-random"), device, self.dtype, args.seed
+                    settings.shape,
+                    os.path.join(self.workdir, "qwen3-random"),
+                    device,
+                    self.dtype,
+                    args.seed,
+                    initializer_range=SHARP_INIT if args.tiny else 0.02,
                 ),
             )
             self.model_dir = info["path"] if info is not None else None
         if self.wants("equivalence"):
-            reference = self.model_dir if tiny_reference else args.model
-            if tiny_reference and reference is None:
-                self.results["equivalence"] = {"status": "skipped", "reason": "no random model"}
-            else:
-                run_section(
-                    self.results,
-                    "equivalence",
-                    lambda: section_equivalence(settings, device, self.dtype_name, reference),
-                )
+            self.run_equivalence(tiny_reference)
         if self.model_dir is None or not self.wants("throughput", "decode", "roofline", "hf"):
             return
         throughput = run_section(self.results, "throughput", self.section_throughput)
@@ -1405,6 +1435,44 @@ class Run:
         if self.wants("hf") and throughput is not None:
             run_section(self.results, "hf", self.section_hf)
         self.llm = None
+
+    def run_equivalence(self, tiny_reference: bool) -> None:
+        """Against ``--model``; else the default model when installed; else a small sharp random model."""
+        from pagedllm.model.loader import default_model_path
+
+        args, settings = self.args, self.settings
+        reference: str | None = args.model
+        random_model = False
+        if tiny_reference:
+            reference, random_model = self.model_dir, True
+            if reference is None:
+                self.results["equivalence"] = {"status": "error", "error": "the tiny model was not written"}
+                return
+        elif args.model is None:
+            try:
+                default_model_path()
+            except FileNotFoundError as exc:
+                logger.info("%s; checking equivalence on a small random Qwen3 instead.", exc)
+                info = run_section(
+                    self.results,
+                    "equivalence_model",
+                    lambda: write_random_model(
+                        settings.equivalence_shape,
+                        os.path.join(self.workdir, "qwen3-small-sharp"),
+                        self.device,
+                        self.dtype,
+                        args.seed + 1,
+                        initializer_range=SHARP_INIT,
+                    ),
+                )
+                if info is None:
+                    return
+                reference, random_model = info["path"], True
+        run_section(
+            self.results,
+            "equivalence",
+            lambda: section_equivalence(settings, self.device, self.dtype_name, reference, random_model),
+        )
 
     def section_throughput(self) -> dict[str, Any]:
         """Start the engine (timed), warm it up, then run the whole workload."""
@@ -1520,7 +1588,7 @@ def main(argv: list[str] | None = None) -> int:
         free_device_memory(device)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    sections = [results.get(s) for s in ("random_model", *SECTIONS)]
+    sections = [results.get(s) for s in ("random_model", "equivalence_model", *SECTIONS)]
     errors = [s for s in sections if s is not None and s.get("status") == "error"]
     failed = [s for s in sections if s is not None and s.get("passed") is False]
     results["passed"] = not errors and not failed

@@ -11,7 +11,7 @@
   own length; model loading, KV cache allocation and warm-up are outside the timed region, as for the
   engine. On CPU its cache sizing needs ``psutil`` (it reads the host's memory through it).
 
-Both run the model in float32 on CPU, like the engine on CPU.
+Both run the model in float32 on the engine's device (CPU unless the engine runs on a GPU).
 """
 
 from __future__ import annotations
@@ -76,21 +76,22 @@ def parse_baselines(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def load_hf_model(model: str | None) -> Any:
-    """The Hugging Face model for a pagedllm model argument, in float32 on CPU, in eval mode.
+def load_hf_model(model: str | None, device: str = "cpu") -> Any:
+    """The Hugging Face model for a pagedllm model argument, in float32 on ``device``, in eval mode.
 
     A GGUF file (the default model included) is loaded with transformers' own GGUF support.
     """
     from transformers import AutoModelForCausalLM
 
     kind, path = resolve_model_path(model)
+    hf: Any
     if kind == "gguf":
         hf = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
         )
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return hf.eval()
+    return hf.to(device).eval()
 
 
 def _count_output(tokens: list[int], requested: int, eos_ids: set[int], ignore_eos: bool) -> int:
@@ -199,7 +200,9 @@ def _static_batch(
         # Suppressing EOS until max_new_tokens is how generate() ignores it for every row.
         min_new_tokens=max_new if ignore_eos else None,
     )
-    out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    out = model.generate(
+        input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config
+    )
     new = out[:, width:].tolist()
     padding = int(len(batch) * width - mask.sum().item())
     return [list(map(int, row)) for row in new], padding

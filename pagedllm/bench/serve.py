@@ -154,6 +154,7 @@ class _Client:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue
+                    now = time.perf_counter()
                     payload = line[5:].strip()
                     if payload == "[DONE]":
                         break
@@ -161,7 +162,6 @@ class _Client:
                     if "error" in data:
                         result.error = str(data["error"])
                         return result
-                    now = time.perf_counter()
                     usage = data.get("usage") or {}
                     if data.get("choices"):
                         if chunks == 0:

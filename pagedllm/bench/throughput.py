@@ -281,7 +281,16 @@ def _engine_summary(metrics: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    engine_logger = logging.getLogger("pagedllm")
+    previous_level = engine_logger.level
+    engine_logger.setLevel(args.log_level.upper())
+    try:
+        return _run(args)
+    finally:
+        engine_logger.setLevel(previous_level)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         set_num_threads(args.num_threads)
         baseline_names = baselines_module.parse_baselines(args.baseline)
@@ -322,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
     systems: dict[str, dict[str, Any]] = {"pagedllm": main_run.metrics(workload)}
     max_num_seqs = engine.config.max_num_seqs
     max_batched = engine.scheduler.config.max_num_batched_tokens
+    engine_device = str(engine.device)
     del engine
     gc.collect()
 
@@ -350,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
 
     baseline_results: dict[str, dict[str, Any]] = {}
     if baseline_names:
-        hf_model = baselines_module.load_hf_model(config.model)
+        hf_model = baselines_module.load_hf_model(config.model, engine_device)
         pad = _pad_token_id(hf_model, eos_ids)
         for name in baseline_names:
             try:

@@ -21,14 +21,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchRun
 from pagedllm.engine.stats import EngineStats
 from pagedllm.metrics import EngineMetrics, StatLogger
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -250,6 +251,55 @@ class AsyncLLMEngine:
         outputs = await self.add_request(request_id or self.new_request_id(), prompt, params)
         async for output in outputs:
             yield output
+
+    async def beam_search(
+        self,
+        prompts: Sequence[tuple[str | None, list[int]]],
+        params: BeamSearchParams,
+        *,
+        eos_token_ids: Sequence[int],
+        max_logprobs: int,
+        request_id: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over ``(text, token_ids)`` prompts, scored as :func:`pagedllm.beam_search.beam_search`.
+
+        Each step submits the one-token request of every live beam concurrently, so they share engine
+        steps with each other and with other requests. The hypotheses' text is not decoded (the engine's
+        tokenizer belongs to the engine thread). Raises ValueError for invalid prompts or parameters and
+        the errors of :meth:`add_request`; a failed or cancelled search aborts its pending requests.
+        """
+        run = BeamSearchRun(
+            prompts,
+            params,
+            eos_token_ids=eos_token_ids,
+            max_logprobs=max_logprobs,
+            max_model_len=self.engine.max_model_len,
+        )
+        prefix = request_id or self.new_request_id("beam")
+        counter = itertools.count()
+        while not run.done:
+            ids = [(f"{prefix}-{next(counter)}", tokens) for tokens in run.step_prompts()]
+            try:
+                tops = await asyncio.gather(
+                    *(self._next_token_logprobs(rid, tokens, run.step_params) for rid, tokens in ids)
+                )
+            except BaseException:
+                self.abort([rid for rid, _ in ids])
+                raise
+            run.advance(tops)
+        return run.outputs()
+
+    async def _next_token_logprobs(
+        self, request_id: str, tokens: list[int], params: SamplingParams
+    ) -> dict[int, Logprob]:
+        """The top next-token log probabilities after ``tokens`` (a one-token request)."""
+        final: RequestOutput | None = None
+        async for out in self.generate(tokens, params, request_id=request_id):
+            final = out
+        logprobs = final.outputs[0].logprobs if final is not None else None
+        if not logprobs:
+            raise RuntimeError(f"beam search step request {request_id!r} returned no logprobs")
+        return logprobs[0]
 
     async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False

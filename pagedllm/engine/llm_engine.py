@@ -128,7 +128,7 @@ class LLMEngine:
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
         graphs = 0
-        if not cfg.enforce_eager:
+        if not cfg.enforce_eager and self.runner.backend.name == "triton":
             graphs = graph_memory_estimate(self.model_config, cfg.max_num_seqs, self.runner.dtype)
         budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graphs
         per_block = self.runner.kv_bytes_per_block

@@ -39,7 +39,9 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         try:
             return "json", json.dumps(params.json)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"structured_outputs.json: invalid JSON schema (not serializable: {e}).") from None
+            raise ValueError(
+                f"structured_outputs.json: invalid JSON schema (not serializable: {e})."
+            ) from None
     if params.regex is not None:
         return "regex", params.regex
     if params.choice is not None:

@@ -86,6 +86,9 @@ class SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
     request_id: str | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingRequest):
@@ -93,7 +96,6 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     echo: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     add_special_tokens: bool = True
 
 
@@ -152,6 +154,18 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs``: a prompt position's log probability of a token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first is null): token id -> its log probability there.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -165,6 +179,7 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -221,6 +236,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -69,7 +69,8 @@ class OpenAIServingChat(OpenAIServing):
             logger.warning("Ignoring `tools`: tool calling is not supported.")
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
+        self.check_request_modes(request)
+        aliases = self.param_aliases(request, {"logprobs": "top_logprobs", "prompt": "messages"})
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
             max_tokens = request.max_completion_tokens
@@ -83,10 +84,18 @@ class OpenAIServingChat(OpenAIServing):
         )
         prompt_ids = self.encode(prompt_text, add_special_tokens=False)
         max_tokens = self.check_prompt_length(len(prompt_ids), max_tokens, "messages")
-        num_top = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens=max_tokens, logprobs=num_top, aliases=aliases)
-
         request_id = request.request_id or random_id("chatcmpl")
+        if request.use_beam_search:
+            return await self._beam_search(request, raw_request, request_id, prompt_ids, max_tokens, aliases)
+        num_top = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(
+            request,
+            max_tokens=max_tokens,
+            logprobs=num_top,
+            prompt_logprobs=request.prompt_logprobs,
+            aliases=aliases,
+        )
+
         try:
             outputs = await self.engine.add_request(request_id, prompt_ids, params)
         except Exception as exc:
@@ -111,6 +120,45 @@ class OpenAIServingChat(OpenAIServing):
         if not completed or final is None:
             return Response(status_code=499)
         return JSONResponse(self._response(request, request_id, created, final).model_dump())
+
+    async def _beam_search(
+        self,
+        request: ChatCompletionRequest,
+        raw_request: Request,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        aliases: dict[str, str],
+    ) -> Response:
+        """Beam search with ``n`` beams: ``n`` choices, best first."""
+        if request.logprobs:
+            raise OpenAIError("logprobs cannot be combined with use_beam_search.", param="logprobs")
+        created = int(time.time())
+        search = self.beam_search(
+            request, [(None, prompt_ids)], max_tokens=max_tokens, request_id=request_id, aliases=aliases
+        )
+        completed, outputs = await run_until_disconnected(raw_request, search)
+        if not completed or outputs is None:
+            return Response(status_code=499)
+        sequences = outputs[0].sequences
+        choices = [
+            ChatCompletionResponseChoice(
+                index=i,
+                message=ChatResponseMessage(role="assistant", content=seq.text),
+                finish_reason=seq.finish_reason,
+            )
+            for i, seq in enumerate(sequences)
+        ]
+        completion_tokens = sum(len(seq.output_token_ids) for seq in sequences)
+        usage = UsageInfo(
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(prompt_ids) + completion_tokens,
+        )
+        response = ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+        return JSONResponse(response.model_dump())
 
     @staticmethod
     async def _collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -145,6 +193,9 @@ class OpenAIServingChat(OpenAIServing):
             model=self.model_name,
             choices=choices,
             usage=_usage(final, len(final.prompt_token_ids)),
+            prompt_logprobs=(
+                self.prompt_logprobs(final.prompt_logprobs) if request.prompt_logprobs is not None else None
+            ),
         )
 
     async def _stream(

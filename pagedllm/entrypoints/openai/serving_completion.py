@@ -59,8 +59,16 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         if request.suffix:
             raise OpenAIError("suffix is not supported.", param="suffix")
+        self.check_request_modes(request)
         prompts = self._prompts(request)
-        aliases: dict[str, str] = {}
+        aliases = self.param_aliases(request)
+        base_id = request.request_id or random_id("cmpl")
+        if request.use_beam_search:
+            return await self._beam_search(request, raw_request, base_id, prompts, aliases)
+        # Echoed prompt tokens get their log probabilities from the prompt logprobs.
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
         params: list[SamplingParams] = []
         for p in prompts:
             max_tokens = self.check_prompt_length(len(p.token_ids), request.max_tokens, "prompt")
@@ -69,12 +77,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     request,
                     max_tokens=max_tokens,
                     logprobs=request.logprobs,
-                    prompt_logprobs=request.prompt_logprobs,
+                    prompt_logprobs=prompt_logprobs,
                     aliases=aliases,
                 )
             )
 
-        base_id = request.request_id or random_id("cmpl")
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         iterators: list[AsyncIterator[RequestOutput]] = []
         try:
@@ -102,6 +109,53 @@ class OpenAIServingCompletion(OpenAIServing):
         if not completed or finals is None:
             return Response(status_code=499)
         response = self._response(request, base_id, created, prompts, finals)
+        return JSONResponse(response.model_dump())
+
+    async def _beam_search(
+        self,
+        request: CompletionRequest,
+        raw_request: Request,
+        request_id: str,
+        prompts: list[_Prompt],
+        aliases: dict[str, str],
+    ) -> Response:
+        """Beam search with ``n`` beams per prompt: ``n`` choices per prompt, best first."""
+        if request.logprobs is not None:
+            raise OpenAIError("logprobs cannot be combined with use_beam_search.", param="logprobs")
+        max_tokens = max(
+            self.check_prompt_length(len(p.token_ids), request.max_tokens, "prompt") for p in prompts
+        )
+        created = int(time.time())
+        search = self.beam_search(
+            request,
+            [(p.text, p.token_ids) for p in prompts],
+            max_tokens=max_tokens,
+            request_id=request_id,
+            aliases=aliases,
+        )
+        completed, outputs = await run_until_disconnected(raw_request, search)
+        if not completed or outputs is None:
+            return Response(status_code=499)
+        choices: list[CompletionResponseChoice] = []
+        completion_tokens = 0
+        for pi, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+            prefix = self._prompt_text(prompt) if request.echo else ""
+            for i, seq in enumerate(out.sequences):
+                completion_tokens += len(seq.output_token_ids)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=pi * request.n + i, text=prefix + seq.text, finish_reason=seq.finish_reason
+                    )
+                )
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        response = CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
         return JSONResponse(response.model_dump())
 
     # ------------------------------------------------------------------ prompts
@@ -161,6 +215,9 @@ class OpenAIServingCompletion(OpenAIServing):
         choices: list[CompletionResponseChoice] = []
         for pi, (prompt, out) in enumerate(zip(prompts, finals, strict=True)):
             prompt_text = self._prompt_text(prompt, out) if request.echo else ""
+            prompt_logprobs = (
+                self.prompt_logprobs(out.prompt_logprobs) if request.prompt_logprobs is not None else None
+            )
             for c in out.outputs:
                 logprobs = None
                 if request.logprobs is not None:
@@ -175,6 +232,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         choices.sort(key=lambda ch: ch.index)

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedllm.beam_search import BeamSearchOutput
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -29,10 +30,13 @@ from pagedllm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     OpenAIBaseModel,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingRequest,
 )
 from pagedllm.outputs import Logprob
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.outputs import PromptLogprobs as EnginePromptLogprobs
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -48,6 +52,8 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {
     "stream_options",
     "response_format",
     "request_id",
+    "use_beam_search",
+    "length_penalty",
 }
 
 
@@ -341,6 +347,80 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ sampling
 
+    @staticmethod
+    def param_aliases(request: SamplingRequest, aliases: dict[str, str] | None = None) -> dict[str, str]:
+        """``aliases`` plus, when the constraint comes from ``response_format``, its errors' field."""
+        merged = dict(aliases or {})
+        if request.structured_outputs is None and request.response_format is not None:
+            merged["structured_outputs"] = "response_format"
+        return merged
+
+    @staticmethod
+    def check_request_modes(request: SamplingRequest) -> None:
+        """Refuse combinations of streaming, beam search and prompt logprobs that are not served."""
+        if request.stream and request.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")
+        if not request.use_beam_search:
+            return
+        if request.stream:
+            raise OpenAIError("use_beam_search does not support stream=true.", param="stream")
+        if request.temperature not in (None, 0.0):
+            raise OpenAIError(
+                f"use_beam_search is deterministic; temperature must be 0 (or left out), got "
+                f"{request.temperature}.",
+                param="temperature",
+            )
+        if request.structured_outputs is not None or (
+            request.response_format is not None and request.response_format.type != "text"
+        ):
+            raise OpenAIError(
+                "use_beam_search cannot be combined with structured outputs.", param="use_beam_search"
+            )
+        if request.prompt_logprobs is not None:
+            raise OpenAIError(
+                "use_beam_search cannot be combined with prompt_logprobs.", param="prompt_logprobs"
+            )
+
+    async def beam_search(
+        self,
+        request: SamplingRequest,
+        prompts: list[tuple[str | None, list[int]]],
+        *,
+        max_tokens: int,
+        request_id: str,
+        aliases: dict[str, str] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search with ``n`` beams per prompt; each output's hypotheses are decoded, best first."""
+        try:
+            params = BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=max_tokens,
+                ignore_eos=request.ignore_eos,
+                length_penalty=request.length_penalty,
+            )
+        except ValueError as exc:
+            message = str(exc).replace("beam_width", "n", 1)
+            raise OpenAIError(message, param="n") from None
+        engine = self.engine.engine
+        try:
+            outputs = await self.engine.beam_search(
+                prompts,
+                params,
+                eos_token_ids=list(getattr(engine, "eos_token_ids", [])),
+                max_logprobs=self.max_logprobs,
+                request_id=request_id,
+            )
+        except Exception as exc:
+            if isinstance(exc, ValueError) and str(exc).startswith("beam_width"):
+                raise OpenAIError(str(exc).replace("beam_width", "n", 1), param="n") from None
+            raise error_from_exception(exc, aliases) from None
+        for output in outputs:
+            for seq in output.sequences:
+                seq.text = str(
+                    self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=request.skip_special_tokens)
+                )
+        return outputs
+
     def sampling_params(
         self,
         request: SamplingRequest,
@@ -409,6 +489,22 @@ class OpenAIServing:
         return StructuredOutputsParams(json=schema)
 
     # ------------------------------------------------------------------ logprobs
+
+    def prompt_logprobs(self, steps: EnginePromptLogprobs | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` response field: per prompt position, token id -> log probability."""
+        if steps is None:
+            return None
+        return [
+            None
+            if step is None
+            else {
+                tid: PromptLogprob(
+                    logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self.token_text(tid, lp)
+                )
+                for tid, lp in step.items()
+            }
+            for step in steps
+        ]
 
     def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
