@@ -128,9 +128,7 @@ class BeamSearchRun:
                     f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} is longer than "
                     f"the model's maximum context length of {max_model_len} tokens."
                 )
-            self.searches.append(
-                _PromptSearch(prompt_text, list(prompt_ids), [_Beam(list(prompt_ids), 0.0)])
-            )
+            self.searches.append(_PromptSearch(prompt_text, list(prompt_ids), [_Beam(list(prompt_ids), 0.0)]))
         self.step_params = SamplingParams(
             temperature=0.0, max_tokens=1, logprobs=self.num_candidates, ignore_eos=True
         )

@@ -359,7 +359,9 @@ class OpenAIServing:
     def check_request_modes(request: SamplingRequest) -> None:
         """Refuse combinations of streaming, beam search and prompt logprobs that are not served."""
         if request.stream and request.prompt_logprobs is not None:
-            raise OpenAIError("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")
+            raise OpenAIError(
+                "prompt_logprobs is not available when stream is true.", param="prompt_logprobs"
+            )
         if not request.use_beam_search:
             return
         if request.stream:
@@ -417,7 +419,9 @@ class OpenAIServing:
         for output in outputs:
             for seq in output.sequences:
                 seq.text = str(
-                    self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=request.skip_special_tokens)
+                    self.tokenizer.decode(
+                        seq.output_token_ids, skip_special_tokens=request.skip_special_tokens
+                    )
                 )
         return outputs
 
