@@ -1,5 +1,5 @@
 """The benchmarks: each ``pagedllm bench`` command once on a tiny workload, through the CLI entry point,
-checking the documented JSON fields; plus the pure helpers (workloads, arrivals, SLOs, statistics)."""
+checking the documented JSON fields; plus the pure functions (workloads, arrivals, SLOs, statistics)."""
 
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def test_serve_reports_an_unreachable_server(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Helpers
+# Pure functions
 # ------------------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,8 @@ From those and the model's sizes follow the floors (lower bounds on time, so upp
   tokens: ``max((weight_bytes + B*L*kv_bytes_per_token) / bandwidth, 2*matmul_params*B / gemm(B))``;
 * a prefill token costs ``2 * matmul_params`` FLOPs: ``2*matmul_params / gemm(M)``.
 
-Attention score FLOPs, norms, activations and sampling are left out, so the floors are optimistic.
+where ``gemm(M)`` interpolates the measured rates in log2(M). Attention score FLOPs, norms,
+activations and sampling are left out, so the floors are optimistic.
 """
 
 from __future__ import annotations
@@ -149,13 +150,15 @@ def measure_bandwidth(
 
 
 def gemm_rate_for(roofline: dict[str, Any], tokens: int) -> float:
-    """The measured GEMM rate to use for ``tokens`` rows: that of the smallest measured token count at
-    or above it (the largest measured otherwise). GEMM rates grow with the row count, so this errs on
-    the fast side and the floors stay lower bounds."""
+    """The GEMM rate for ``tokens`` rows: interpolated linearly in log2(rows) between the measured row
+    counts, and the nearest measured rate outside their range."""
     points = sorted((int(g["tokens"]), float(g["flops_per_s"])) for g in roofline["gemm"])
-    for m, rate in points:
-        if m >= tokens:
-            return rate
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (m0, r0), (m1, r1) in zip(points, points[1:], strict=False):
+        if tokens <= m1:
+            w = (math.log2(tokens) - math.log2(m0)) / (math.log2(m1) - math.log2(m0))
+            return r0 + w * (r1 - r0)
     return points[-1][1]
 
 
@@ -232,7 +235,7 @@ def measure_roofline(
     config: ModelConfig,
     name: str,
     dtype: str = "float32",
-    gemm_tokens: Sequence[int] = (1, 16, 64, 256),
+    gemm_tokens: Sequence[int] = (1, 16, 64, 256, 1024),
     bandwidth_mib: int = 256,
     repeats: int = 3,
 ) -> dict[str, Any]:
@@ -258,8 +261,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="Dtype (default float32).")
     parser.add_argument(
         "--gemm-tokens",
-        default="1,16,64,256",
-        help="Comma-separated token counts (GEMM rows) to measure (default 1,16,64,256).",
+        default="1,16,64,256,1024",
+        help="Comma-separated token counts (GEMM rows) to measure (default 1,16,64,256,1024).",
     )
     parser.add_argument(
         "--bandwidth-mib", type=int, default=256, help="Size of the copied tensor in MiB (default 256)."

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from pagedllm.bench import baselines as baselines_module
 from pagedllm.bench.common import (
     distribution,
@@ -409,13 +411,27 @@ def _run(args: argparse.Namespace) -> int:
     roofline_section: dict[str, Any] | None = None
     if roofline is not None:
         floor = workload_floor(roofline, workload, max_num_seqs, max_batched)
+        fraction = floor["time_floor_s"] / engine_metrics["elapsed_s"]
+        measured_threads = roofline.get("machine", {}).get("torch_num_threads")
+        warnings = []
+        if measured_threads is not None and measured_threads != torch.get_num_threads():
+            warnings.append(
+                f"the roofline was measured with {measured_threads} torch threads, this run used "
+                f"{torch.get_num_threads()}"
+            )
+        if fraction > 1.0:
+            warnings.append(
+                "the engine beat the floor, so the roofline measurement does not describe this run "
+                "(taken under other load, or too few --gemm-tokens row counts measured)"
+            )
         roofline_section = {
             "source": args.roofline_json,
             **floor,
-            "fraction_of_roofline": floor["time_floor_s"] / engine_metrics["elapsed_s"],
+            "fraction_of_roofline": fraction,
             "total_tokens_per_s_fraction_of_ceiling": ratio(
                 engine_metrics["total_tokens_per_s"], floor["total_tokens_per_s_ceiling"]
             ),
+            "warnings": warnings,
         }
 
     _print_report(systems, baseline_results, ratios, prefix_comparison, roofline_section)
@@ -502,3 +518,5 @@ def _print_report(
             f"ceiling {roofline['total_tokens_per_s_ceiling']:,.0f} total tok/s; pagedllm reaches "
             f"{roofline['fraction_of_roofline']:.1%} of it."
         )
+        for warning in roofline["warnings"]:
+            print(f"  Warning: {warning}.")
