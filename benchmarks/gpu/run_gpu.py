@@ -57,6 +57,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from pagedllm.hf_compare import greedy_compare, hf_greedy  # noqa: E402
+
 logger = logging.getLogger("run_gpu")
 
 SECTIONS = ("kernels", "equivalence", "throughput", "decode", "roofline", "hf")
@@ -515,20 +517,6 @@ def section_kernels(settings: Settings, device: torch.device, seed: int) -> dict
 # --------------------------------------------------------------------------------------------------
 
 
-def greedy_compare(
-    a_tokens: list[int], a_top: list[dict[int, float]], b_tokens: list[int], b_top: list[dict[int, float]]
-) -> tuple[str, int | None]:
-    """``("identical" | "near_tie" | "mismatch", first differing index)`` by the logprob-close rule.
-
-    Past the shorter sequence (one side stopped at EOS) nothing is compared.
-    """
-    for i in range(min(len(a_tokens), len(b_tokens))):
-        if a_tokens[i] != b_tokens[i]:
-            close = a_tokens[i] in b_top[i] and b_tokens[i] in a_top[i]
-            return ("near_tie" if close else "mismatch"), i
-    return "identical", None
-
-
 def engine_greedy(
     llm: Any, prompts: list[list[int]], max_tokens: int
 ) -> list[tuple[list[int], list[dict[int, float]]]]:
@@ -542,29 +530,6 @@ def engine_greedy(
         tops = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in seq.logprobs]
         result.append((list(seq.token_ids), tops))
     return result
-
-
-@torch.inference_mode()
-def hf_greedy(
-    model: Any, prompt: list[int], max_tokens: int, device: torch.device
-) -> tuple[list[int], list[dict[int, float]]]:
-    ids = torch.tensor([prompt], device=device)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    tops = []
-    for logits in out.logits:
-        lp = torch.log_softmax(logits[0].float(), dim=-1)
-        values, idx = lp.topk(5)
-        tops.append({int(i): float(v) for i, v in zip(idx.tolist(), values.tolist(), strict=True)})
-    return tokens, tops
 
 
 def load_hf_model(model_arg: str | None, dtype: torch.dtype, device: torch.device) -> Any:
@@ -645,7 +610,7 @@ def section_equivalence(
     statuses = []
     first_step_err = 0.0
     for prompt, (tokens, tops) in zip(prompts, ours, strict=True):
-        hf_tokens, hf_tops = hf_greedy(hf, prompt, n, device)
+        hf_tokens, hf_tops = hf_greedy(hf, prompt, n)
         statuses.append(greedy_compare(tokens, tops, hf_tokens, hf_tops))
         for tok, lp in hf_tops[0].items():
             if tok in tops[0]:

@@ -110,7 +110,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, oldest first.
         i = 0
@@ -121,17 +120,15 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
+                # The newest running request is never one already scheduled this step: those are
+                # older (earlier in ``running``) than the request being scheduled.
                 victim = self.running[-1]
-                if victim.request_id in scheduled_ids:
-                    # Never take back blocks already promised this step; stop here instead.
-                    victim = request
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(request, num_new))
-                scheduled_ids.add(request.request_id)
                 budget -= num_new
                 i += 1
                 continue
