@@ -41,23 +41,19 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
-            )
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
-        if self.attention_backend not in (None, "torch", "triton"):
+        if self.attention_backend not in (None, "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}."
+                f"attention_backend must be 'torch', 'cpu' or 'triton', got {self.attention_backend!r}."
             )
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
-            )
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, with_model: bool = True) -> None:

@@ -21,9 +21,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         set_fields = [
-            name
-            for name in ("json", "regex", "choice", "grammar")
-            if getattr(self, name) is not None
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
         if len(set_fields) != 1:
             raise ValueError(

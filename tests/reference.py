@@ -20,9 +20,7 @@ def assert_greedy_close(
     """Assert equality up to a near-tie flip; returns True when the sequences are identical."""
     assert a_top is not None and b_top is not None, "run with logprobs to compare by the top-k rule"
     status, i = greedy_compare(a_tokens, a_top, b_tokens, b_top)
-    assert status != "mismatch", (
-        f"{label}: tokens differ at {i} beyond a near-tie:\n{a_tokens}\n{b_tokens}"
-    )
+    assert status != "mismatch", f"{label}: tokens differ at {i} beyond a near-tie:\n{a_tokens}\n{b_tokens}"
     if status == "near_tie":
         return False
     assert len(a_tokens) == len(b_tokens), f"{label}: lengths differ: {a_tokens} vs {b_tokens}"

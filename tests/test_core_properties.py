@@ -138,6 +138,28 @@ def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token():
     assert kv.get_computed_blocks(d)[1] == 0
 
 
+def test_requests_admitted_in_one_step_share_the_prefix_being_computed():
+    kv = KVCacheManager(16, 4, True)
+    sched = Scheduler(SchedulerConfig(4, 64, 1000), kv)
+    a = make_request("a", list(range(1, 14)), 2)  # 13 tokens: 3 full blocks
+    b = make_request("b", list(range(1, 13)) + [77], 2)  # same first 3 blocks
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 12
+    assert b.block_ids[:3] == a.block_ids[:3]
+    assert [s.num_tokens for s in out.scheduled] == [13, 1]
+    assert out.newly_cached_blocks == a.block_ids[:3]
+    # Had the forward failed, the engine drops those entries: nothing matches them any more.
+    kv.uncache(out.newly_cached_blocks)
+    c = make_request("c", list(range(1, 14)), 2)
+    assert kv.get_computed_blocks(c) == ([], 0)
+    for r in (a, b):
+        sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
+    kv.check_idle()
+
+
 def a_blocks_prefix(kv: KVCacheManager, req: Request, n: int) -> list[int]:
     hits, _ = kv.get_computed_blocks(req)
     return [h.block_id for h in hits[:n]]

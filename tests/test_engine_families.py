@@ -18,7 +18,9 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("arch, tied", [("qwen2", False), ("qwen3", False), ("qwen3", True), ("llama", False)])
+@pytest.mark.parametrize(
+    "arch, tied", [("qwen2", False), ("qwen3", False), ("qwen3", True), ("llama", False)]
+)
 def test_tiny_model_matches_hf(tmp_path, arch, tied):
     path = make_tiny_hf_model(tmp_path, arch, tie_word_embeddings=tied, initializer_range=0.2)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -12,12 +12,15 @@ SYSTEM = (
     "You are a careful assistant. Answer briefly and precisely, and never invent facts. "
     "When asked about numbers, show the arithmetic step by step before the answer. "
 )
-PROMPTS = [SYSTEM + q for q in (
-    "What is 12 times 7?",
-    "Name the largest planet.",
-    "Why is the sky blue?",
-    "Write a short greeting.",
-)] + [
+PROMPTS = [
+    SYSTEM + q
+    for q in (
+        "What is 12 times 7?",
+        "Name the largest planet.",
+        "Why is the sky blue?",
+        "Write a short greeting.",
+    )
+] + [
     "The history of the printing press begins",
     "import numpy as np\n\ndef softmax(x):",
     "Roses are red,",
@@ -103,3 +106,21 @@ def test_seeded_sampling_alone_vs_batch(default_llm):
     again = default_llm.generate([PROMPTS[5]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     assert again == alone
     default_llm.llm_engine.check_idle()
+
+
+@pytest.mark.slow
+def test_same_step_prefix_sharing(default_llm, baseline):
+    """Requests admitted in one step share the blocks of a prefix the first of them is computing."""
+    default_llm.llm_engine.reset_prefix_cache()
+    results, outs = run(default_llm, PROMPTS[:4])
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 16 for o in outs[1:]), [o.num_cached_tokens for o in outs]
+    compare(results, baseline[:4], "same-step prefix sharing")
+
+
+@pytest.mark.slow
+def test_torch_attention_backend_matches_default(make_llm, default_llm, baseline):
+    """The reference torch backend and the default CPU backend (native decode kernel) agree."""
+    reference = make_llm(attention_backend="torch")
+    results, _ = run(reference)
+    compare(results, baseline, f"torch backend vs {default_llm.llm_engine.runner.backend.name}")

@@ -25,7 +25,9 @@ def test_max_tokens_and_length_reason(default_llm, free_run):
 def test_stop_string_cut_or_kept(default_llm, free_run):
     stop = " six"
     assert stop in free_run.text
-    out = default_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=stop))[0].outputs[0]
+    out = default_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=stop))[0].outputs[
+        0
+    ]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free_run.text[: free_run.text.index(stop)]
     kept = default_llm.generate(

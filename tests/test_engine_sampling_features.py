@@ -54,9 +54,9 @@ def test_logit_bias_forces_a_token(default_llm):
 
 
 def test_bad_words_never_emitted(default_llm):
-    free = default_llm.generate(
-        ["The capital of France is"], SamplingParams(temperature=0, max_tokens=12)
-    )[0].outputs[0]
+    free = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12))[
+        0
+    ].outputs[0]
     assert "Paris" in free.text
     banned = default_llm.generate(
         ["The capital of France is"], SamplingParams(temperature=0, max_tokens=12, bad_words=["Paris"])

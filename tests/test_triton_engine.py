@@ -19,15 +19,15 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.mark.slow
-def test_triton_backend_greedy_matches_torch_backend(make_llm: Callable[..., Any], default_llm: Any) -> None:
+def test_triton_backend_greedy_matches_torch_backend(make_llm: Callable[..., Any]) -> None:
     """Two short prompts, four greedy tokens each, in float32 (the interpreter is slow)."""
-    assert default_llm.llm_engine.runner.backend.name == "torch"
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=5)
-    triton_llm = make_llm(
-        attention_backend="triton", device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=256
-    )
+    common = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 32, "max_model_len": 256}
+    torch_llm = make_llm(attention_backend="torch", **common)
+    triton_llm = make_llm(attention_backend="triton", **common)
+    assert torch_llm.llm_engine.runner.backend.name == "torch"
     assert triton_llm.llm_engine.runner.backend.name == "triton"
-    expected = default_llm.generate(PROMPTS, params, use_tqdm=False)
+    expected = torch_llm.generate(PROMPTS, params, use_tqdm=False)
     actual = triton_llm.generate(PROMPTS, params, use_tqdm=False)
     for exp, act in zip(expected, actual, strict=True):
         assert act.prompt_token_ids == exp.prompt_token_ids

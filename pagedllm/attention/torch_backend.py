@@ -26,65 +26,170 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return merged[..., :length, :, :]
 
 
-@dataclass
-class _BatchPlan:
-    """Per-step index tensors and masks, shared by every layer of one forward."""
+# Cost of one extra decode group (a gather + SDPA call), in padded key positions: splitting the
+# decodes into groups of similar lengths pays off once it saves more padding than this.
+_GROUP_COST_POSITIONS = 1024
 
-    starts: list[int]  # first query row of each request
-    decode_rows: torch.Tensor | None  # flat query rows of the decodes (None: no decode)
-    decode_tables: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [num_decodes, max_len], True where a position exists
-    decode_max_len: int
-    all_decode: bool
+
+def group_by_length(lengths: list[int], group_cost: int = _GROUP_COST_POSITIONS) -> list[list[int]]:
+    """Split indices of ``lengths`` into groups of similar length, minimising the padded positions
+    ``sum(len(group) * max length in group)`` plus ``group_cost`` per group.
+
+    Exact for that cost: an O(n^2) dynamic programme over the indices sorted by length.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    n = len(order)
+    best = [0] * (n + 1)  # best[j]: cost of grouping the j shortest
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        best[j], cut[j] = min((best[i] + (j - i) * longest + group_cost, i) for i in range(j))
+    groups = []
+    j = n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # flat query rows
+    tables: torch.Tensor  # their block tables
+    mask: torch.Tensor | None  # [n, 1, 1, max_len] additive (0 or -inf); None when nothing is padded
+    max_len: int
+
+
+@dataclass
+class BatchPlan:
+    """Per-step index tensors and masks, shared by every layer of one forward.
+
+    ``decodes`` is whatever the backend's ``plan_decodes`` built for the batch's decodes (requests
+    with query length 1), or None when there are none.
+    """
+
+    starts: list[int]  # first query row of each request (and the total row count last)
+    decodes: object | None
     prefill_masks: dict[int, torch.Tensor]  # request index -> [query_len, seq_len] causal mask
 
 
-def _plan(meta: AttentionMetadata, device: torch.device) -> _BatchPlan:
-    qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
-    starts = [0]
-    for ql in qlens:
-        starts.append(starts[-1] + ql)
-    decodes = [i for i, q in enumerate(qlens) if q == 1]
-    decode_rows = decode_tables = decode_mask = None
-    max_len = 0
-    if decodes:
-        reqs = torch.tensor(decodes, device=meta.block_tables.device)
-        decode_rows = torch.tensor([starts[i] for i in decodes], device=device)
-        max_len = max(slens[i] for i in decodes)
-        decode_tables = meta.block_tables[reqs]
-        lens = meta.seq_lens[reqs.to(meta.seq_lens.device)].to(device)
-        decode_mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
-    prefill_masks = {}
-    for i, (ql, sl) in enumerate(zip(qlens, slens, strict=True)):
-        if ql > 1:
-            qpos = torch.arange(sl - ql, sl, device=device)
-            prefill_masks[i] = torch.arange(sl, device=device)[None, :] <= qpos[:, None]
-    return _BatchPlan(
-        starts=starts,
-        decode_rows=decode_rows,
-        decode_tables=decode_tables,
-        decode_mask=decode_mask,
-        decode_max_len=max_len,
-        all_decode=len(decodes) == len(qlens),
-        prefill_masks=prefill_masks,
+def _decode_group(
+    meta: AttentionMetadata, reqs: list[int], starts: list[int], device: torch.device
+) -> DecodeGroup:
+    lens = [meta.seq_lens_cpu[i] for i in reqs]
+    max_len = max(lens)
+    mask = None
+    if min(lens) != max_len:
+        lens_t = torch.tensor(lens, device=device)
+        padded = torch.arange(max_len, device=device)[None, :] >= lens_t[:, None]
+        mask = torch.zeros(padded.shape, device=device).masked_fill_(padded, float("-inf"))[:, None, None, :]
+    return DecodeGroup(
+        rows=torch.tensor([starts[i] for i in reqs], device=device),
+        tables=meta.block_tables[torch.tensor(reqs, device=meta.block_tables.device)],
+        mask=mask,
+        max_len=max_len,
     )
 
 
 class TorchAttentionBackend:
     """Reference backend. Index tensors and masks are built once per batch (per metadata object)
-    and reused by every layer."""
+    and reused by every layer.
+
+    Subclasses may replace how decodes are attended by overriding :meth:`plan_decodes` and
+    :meth:`attend_decodes`; prefill chunks always go through :meth:`attend_prefills`.
+    """
 
     name = "torch"
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._batch_plan: _BatchPlan | None = None
+        self._batch_plan: BatchPlan | None = None
+        self._slots: torch.Tensor | None = None
+        self._valid_slots: torch.Tensor | None = None  # rows to write of ``_slots``; None = all
 
-    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _BatchPlan:
+    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> BatchPlan:
         if self._meta is not meta or self._batch_plan is None:
-            self._batch_plan = _plan(meta, device)
+            self._batch_plan = self.plan(meta, device)
             self._meta = meta
         return self._batch_plan
+
+    def plan(self, meta: AttentionMetadata, device: torch.device) -> BatchPlan:
+        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+        starts = [0]
+        for ql in qlens:
+            starts.append(starts[-1] + ql)
+        decodes = [i for i, q in enumerate(qlens) if q == 1]
+        prefill_masks = {}
+        for i, (ql, sl) in enumerate(zip(qlens, slens, strict=True)):
+            if ql > 1:
+                qpos = torch.arange(sl - ql, sl, device=device)
+                prefill_masks[i] = torch.arange(sl, device=device)[None, :] <= qpos[:, None]
+        return BatchPlan(
+            starts=starts,
+            decodes=self.plan_decodes(meta, decodes, starts, device) if decodes else None,
+            prefill_masks=prefill_masks,
+        )
+
+    def plan_decodes(
+        self, meta: AttentionMetadata, decodes: list[int], starts: list[int], device: torch.device
+    ) -> object:
+        """Groups of similar length (see :func:`group_by_length`)."""
+        groups = group_by_length([meta.seq_lens_cpu[i] for i in decodes])
+        return [_decode_group(meta, [decodes[j] for j in g], starts, device) for g in groups]
+
+    def attend_decodes(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: object,
+        scale: float,
+    ) -> None:
+        assert isinstance(plan, list)
+        for group in plan:
+            k = gather_kv(k_cache, group.tables, group.max_len)  # [B, L, kvh, d]
+            v = gather_kv(v_cache, group.tables, group.max_len)
+            q = query[group.rows]
+            nb, nh, hd = q.shape
+            kvh = k.shape[2]
+            # Fold each KV head's group of query heads into the query-length axis: one SDPA call
+            # without expanding K/V for GQA (a decode query has no causal constraint).
+            o = F.scaled_dot_product_attention(
+                q.view(nb, kvh, nh // kvh, hd),
+                k.transpose(1, 2).to(q.dtype),
+                v.transpose(1, 2).to(q.dtype),
+                attn_mask=None if group.mask is None else group.mask.to(q.dtype),
+                scale=scale,
+            )
+            out.index_copy_(0, group.rows, o.reshape(nb, nh, hd))
+
+    @staticmethod
+    def attend_prefills(
+        query: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: BatchPlan,
+        scale: float,
+    ) -> None:
+        for i, mask in plan.prefill_masks.items():
+            ql, sl = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+            s = plan.starts[i]
+            k = gather_kv(k_cache, meta.block_tables[i], sl).transpose(0, 1).to(query.dtype)  # [kvh, L, d]
+            v = gather_kv(v_cache, meta.block_tables[i], sl).transpose(0, 1).to(query.dtype)
+            q = query[s : s + ql].transpose(0, 1)  # [H, ql, d]
+            q_per_kv = q.shape[0] // k.shape[0]
+            if q_per_kv > 1:
+                k = k.repeat_interleave(q_per_kv, dim=0)
+                v = v.repeat_interleave(q_per_kv, dim=0)
+            # An explicit causal mask offset by the cached context; on CPU this is several times
+            # faster than is_causal/enable_gqa for prefill-sized chunks.
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+            out[s : s + ql] = o[0].transpose(0, 1)
 
     def write_kv(
         self,
@@ -95,9 +200,12 @@ class TorchAttentionBackend:
         slot_mapping: torch.Tensor,
     ) -> None:
         kvh, d = k_cache.shape[-2:]
-        if (slot_mapping < 0).any():
-            valid = slot_mapping >= 0
-            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        if self._slots is not slot_mapping:  # once per forward, not per layer
+            self._slots = slot_mapping
+            self._valid_slots = (slot_mapping >= 0).nonzero().squeeze(1) if (slot_mapping < 0).any() else None
+        if self._valid_slots is not None:
+            rows = self._valid_slots
+            key, value, slot_mapping = key[rows], value[rows], slot_mapping[rows]
         k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -110,39 +218,8 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         plan = self._plan_for(meta, query.device)
-        out = torch.empty_like(query)
-        if plan.decode_rows is not None:
-            assert plan.decode_tables is not None and plan.decode_mask is not None
-            k = gather_kv(k_cache, plan.decode_tables, plan.decode_max_len)  # [B, L, kvh, d]
-            v = gather_kv(v_cache, plan.decode_tables, plan.decode_max_len)
-            q = query if plan.all_decode else query[plan.decode_rows]
-            nb, nh, hd = q.shape
-            kvh = k.shape[2]
-            # Fold each KV head's group of query heads into the query-length axis: one SDPA call
-            # without expanding K/V for GQA (a decode query has no causal constraint).
-            o = F.scaled_dot_product_attention(
-                q.view(nb, kvh, nh // kvh, hd),
-                k.transpose(1, 2).to(q.dtype),
-                v.transpose(1, 2).to(q.dtype),
-                attn_mask=plan.decode_mask[:, None, None, :],
-                scale=scale,
-            ).reshape(nb, nh, hd)
-            if plan.all_decode:
-                return o
-            out[plan.decode_rows] = o
-
-        for i, mask in plan.prefill_masks.items():
-            ql, sl = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-            s = plan.starts[i]
-            k = gather_kv(k_cache, meta.block_tables[i], sl).transpose(0, 1).to(query.dtype)  # [kvh, L, d]
-            v = gather_kv(v_cache, meta.block_tables[i], sl).transpose(0, 1).to(query.dtype)
-            q = query[s : s + ql].transpose(0, 1)  # [H, ql, d]
-            group = q.shape[0] // k.shape[0]
-            if group > 1:
-                k = k.repeat_interleave(group, dim=0)
-                v = v.repeat_interleave(group, dim=0)
-            # An explicit causal mask offset by the cached context; on CPU this is several times
-            # faster than is_causal/enable_gqa for prefill-sized chunks.
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
-            out[s : s + ql] = o[0].transpose(0, 1)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if plan.decodes is not None:
+            self.attend_decodes(query, out, k_cache, v_cache, plan.decodes, scale)
+        self.attend_prefills(query, out, k_cache, v_cache, meta, plan, scale)
         return out

@@ -87,16 +87,28 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = block
 
-    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Record a full block under its hash (first writer wins; duplicates stay uncached)."""
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
+        """Record a full block under its hash (first writer wins; duplicates stay uncached).
+
+        Returns whether the block was newly registered."""
         if not self.enable_caching:
-            return
+            return False
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block
+        return True
+
+    def uncache(self, block_ids: list[int]) -> None:
+        """Forget the hashes of these blocks (they stay allocated or free as they are)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible while no block is referenced."""

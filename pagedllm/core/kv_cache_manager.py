@@ -97,18 +97,32 @@ class KVCacheManager:
             request.block_ids.extend(b.block_id for b in self.pool.allocate(need))
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly completed full blocks (computed tokens only)."""
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> list[int]:
+        """Register the request's full blocks within its first ``num_tokens`` tokens (default: the
+        computed ones) in the prefix cache; returns the ids of blocks newly registered.
+
+        The scheduler registers the blocks a step *will* fill when it schedules the step, as vLLM
+        does: a request admitted later in the same step then shares them, and reads them in the
+        same forward after they are written (every layer writes K/V before attending). Should the
+        forward fail, :meth:`uncache` takes them back.
+        """
         if not self.enable_caching:
-            return
-        num_full = request.num_computed_tokens // self.block_size
+            return []
+        num_full = (request.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         parent = request.block_hashes[-1] if request.block_hashes else _ROOT_HASH
+        registered = []
         for i in range(len(request.block_hashes), num_full):
             tokens = self._block_tokens(request, i)
             h = hash_block(parent, tokens)
-            self.pool.register(request.block_ids[i], h, tokens)
+            if self.pool.register(request.block_ids[i], h, tokens):
+                registered.append(request.block_ids[i])
             request.block_hashes.append(h)
             parent = h
+        return registered
+
+    def uncache(self, block_ids: list[int]) -> None:
+        """Drop these blocks from the prefix cache (their content was never computed)."""
+        self.pool.uncache(block_ids)
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; tail blocks go first in the eviction order."""

@@ -34,6 +34,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # Blocks entered in the prefix cache by this schedule, to be computed by its forward.
+    newly_cached_blocks: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -128,7 +130,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                self._schedule(out, request, num_new)
                 budget -= num_new
                 i += 1
                 continue
@@ -155,14 +157,20 @@ class Scheduler:
                     request.first_scheduled_time = time.monotonic()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                self._schedule(out, request, num_new)
                 budget -= num_new
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
+    def _schedule(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        out.scheduled.append(ScheduledRequest(request, num_tokens))
+        # Blocks this step fills are shared from now on (see KVCacheManager.cache_full_blocks).
+        out.newly_cached_blocks += self.kv.cache_full_blocks(
+            request, request.num_computed_tokens + num_tokens
+        )
+
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and register newly full blocks in the prefix cache."""
+        """Advance computed-token counts after the step's forward ran."""
         for sr in out.scheduled:
             sr.request.num_computed_tokens += sr.num_tokens
-            self.kv.cache_full_blocks(sr.request)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.attention.base import choose_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
@@ -52,7 +53,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_max
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
-        backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        backend = choose_attention_backend(config.attention_backend, self.device, dtype)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(
             ckpt.config,
@@ -186,9 +187,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         params.verify_vocab(self.vocab_size)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"logprobs must be at most {self.config.max_logprobs}, got {params.logprobs}."
-            )
+            raise ValueError(f"logprobs must be at most {self.config.max_logprobs}, got {params.logprobs}.")
         grammar = (
             self.structured_output_manager.compile(params.structured_outputs)
             if params.structured_outputs is not None
@@ -267,7 +266,11 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        rows, sampled = self.runner.execute(so)
+        try:
+            rows, sampled = self.runner.execute(so)
+        except BaseException:
+            self.kv.uncache(so.newly_cached_blocks)  # registered for content that was never written
+            raise
         for sr in so.scheduled:
             start = sr.request.num_computed_tokens
             self.num_prompt_tokens += max(0, min(start + sr.num_tokens, sr.request.num_prompt_tokens) - start)
@@ -324,4 +327,3 @@ class LLMEngine:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         )
-

@@ -7,6 +7,7 @@ tensors and as the equivalent torch code elsewhere (see :mod:`pagedllm.layers_tr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,20 +67,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> RotaryTables:
+        """The cos/sin rows of ``positions``, looked up once per forward and shared by every layer."""
+        cos = self.cos_cache[positions]
+        sin = self.sin_cache[positions]
+        # Full-width rows so that a head rotates as x * cos + swap_halves(x) * signed_sin.
+        return RotaryTables(torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(dtype)
+@dataclass
+class RotaryTables:
+    cos: torch.Tensor  # [T, 1, D]: (cos, cos)
+    signed_sin: torch.Tensor  # [T, 1, D]: (-sin, sin)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, D]`` (any head count: q and k heads may be rotated together).
+
+        Equal to HF's ``x * cos + rotate_half(x) * sin``, computed in float32.
+        """
+        t, h, d = x.shape
+        x32 = x.float()
+        swapped = x32.reshape(t, h, 2, d // 2).flip(2).reshape(t, h, d)
+        return torch.addcmul(x32 * self.cos, swapped, self.signed_sin).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,11 @@ into the paged cache and read history through block tables (see ``pagedllm.atten
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedllm.model.layers import RMSNorm, RotaryEmbedding, RotaryTables, silu_and_mul
 
 
 class ForwardContext:
@@ -44,19 +43,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q = rope.apply(self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)))
+            k = rope.apply(
+                self.k_norm(qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim))
+            )
+        else:
+            # q and k heads are adjacent in the fused projection: rotate them in one pass.
+            qk = rope.apply(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
         o = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, self.scale)
@@ -82,19 +82,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
-        ctx: ForwardContext,
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryTables, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_residual(x, residual)
-        h = self.self_attn(positions, h, rotary, ctx)
+        h = self.self_attn(h, rope, ctx)
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
         return self.mlp(h), residual
 
@@ -111,21 +106,20 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.rotary, ctx)
+            x, residual = layer(x, residual, rope, ctx)
         assert residual is not None
         x, _ = self.norm.forward_residual(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of ``hidden`` rows; written into ``out`` (``[rows, vocab]`` float32) when given."""
-        logits = F.linear(hidden, self.lm_head.weight)
+        logits = self.lm_head(hidden)
         if out is None:
             return logits.float()
         return out.copy_(logits)
@@ -140,7 +134,9 @@ class LlamaForCausalLM(nn.Module):
             p = params[name]
             if offset is None:
                 if p.shape != tensor.shape:
-                    raise ValueError(f"weight {name}: expected shape {tuple(p.shape)}, got {tuple(tensor.shape)}")
+                    raise ValueError(
+                        f"weight {name}: expected shape {tuple(p.shape)}, got {tuple(tensor.shape)}"
+                    )
                 p.copy_(tensor)
             else:
                 p[offset : offset + tensor.shape[0]].copy_(tensor)

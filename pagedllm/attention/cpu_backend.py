@@ -1,0 +1,76 @@
+"""CPU attention backend: decodes read the paged cache in place with a native kernel.
+
+The torch reference backend gathers every decode's K/V into a padded copy before attending, which
+moves each cached byte three times per layer; :func:`pagedllm.attention.cpu_kernels.paged_decode_attention`
+reads each once. Prefill chunks (GEMM-shaped work) and K/V writes stay with the torch backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.attention.cpu_kernels import paged_decode_attention
+from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+
+@dataclass
+class _Decodes:
+    rows: torch.Tensor | None  # flat query rows; None when the decodes are rows 0..n-1 in order
+    block_tables: torch.Tensor  # int32, contiguous rows
+    seq_lens: torch.Tensor  # int32
+    max_len: int
+
+
+class CPUAttentionBackend(TorchAttentionBackend):
+    """``attention_backend="cpu"``: float32 model and KV cache on the CPU (the engine checks)."""
+
+    name = "cpu"
+
+    def plan_decodes(
+        self, meta: AttentionMetadata, decodes: list[int], starts: list[int], device: torch.device
+    ) -> object:
+        in_order = decodes == list(range(len(decodes))) and starts[len(decodes)] == len(decodes)
+        if in_order:
+            tables, lens = meta.block_tables[: len(decodes)], meta.seq_lens[: len(decodes)]
+            rows = None
+        else:
+            index = torch.tensor(decodes)
+            tables, lens = meta.block_tables[index], meta.seq_lens[index]
+            rows = torch.tensor([starts[i] for i in decodes])
+        return _Decodes(
+            rows=rows,
+            block_tables=tables.contiguous(),
+            seq_lens=lens.to(torch.int32).contiguous(),
+            max_len=max(meta.seq_lens_cpu[i] for i in decodes),
+        )
+
+    def attend_decodes(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: object,
+        scale: float,
+    ) -> None:
+        assert isinstance(plan, _Decodes)
+        if plan.rows is None:
+            n = plan.seq_lens.shape[0]
+            paged_decode_attention(
+                query[:n],
+                k_cache,
+                v_cache,
+                plan.block_tables,
+                plan.seq_lens,
+                plan.max_len,
+                scale,
+                out=out[:n],
+            )
+        else:
+            o = paged_decode_attention(
+                query[plan.rows], k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.max_len, scale
+            )
+            out.index_copy_(0, plan.rows, o)

@@ -1,0 +1,184 @@
+"""The CPU attention backend (native decode kernel), the torch backend's length-grouped decodes,
+and the MKL-packed linear layers, against naive references."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attention_cases import MIXED, Batch, assert_close, reference_attention
+from torch import nn
+
+from pagedllm.attention.base import choose_attention_backend
+from pagedllm.attention.cpu_backend import CPUAttentionBackend
+from pagedllm.attention.cpu_kernels import kernels_available, paged_decode_attention
+from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
+from pagedllm.model.cpu_linear import PackedLinear, mkl_packing_available, optimize_cpu_linears
+
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
+
+
+def decode_batch(lengths: list[int], **kwargs: int) -> Batch:
+    return Batch([(1, n) for n in lengths], dtype=torch.float32, **kwargs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_decode_kernel_matches_reference(block_size: int, group: int, head_dim: int) -> None:
+    # Lengths on, just past and inside block boundaries; unused cache slots hold NaN.
+    lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 70, 131]
+    batch = decode_batch(lengths, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim)
+    out = paged_decode_attention(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.meta.seq_lens,
+        max(lengths),
+        batch.scale,
+    )
+    assert_close(out, reference_attention(batch), torch.float32)
+
+
+@needs_kernels
+def test_decode_kernel_strided_query_and_output() -> None:
+    batch = decode_batch([5, 40, 17], block_size=16, num_kv_heads=3, group=3, head_dim=64, seed=4)
+    # The query as a slice of a wider fused projection (row stride larger than heads * head_dim).
+    wide = torch.randn(3, batch.num_heads + 6, 64)
+    wide[:, : batch.num_heads] = batch.query
+    out = torch.full((3, batch.num_heads, 64), float("nan"))
+    paged_decode_attention(
+        wide[:, : batch.num_heads],
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.meta.seq_lens,
+        40,
+        batch.scale,
+        out=out,
+    )
+    assert_close(out, reference_attention(batch), torch.float32)
+
+
+@needs_kernels
+def test_decode_kernel_rejects_bad_inputs() -> None:
+    batch = decode_batch([5], block_size=16, num_kv_heads=1, group=2, head_dim=32)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.meta.seq_lens, 5, batch.scale)
+    with pytest.raises(ValueError, match="query"):
+        paged_decode_attention(batch.query.bfloat16(), *args)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables.long(), *args[3:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [1, 3])
+def test_cpu_backend_mixed_batch(group: int) -> None:
+    """Decodes interleaved with prefill chunks (cached prefixes, fresh prompts), padding rows at the end."""
+    batch = Batch(
+        MIXED, block_size=16, num_kv_heads=2, group=group, head_dim=32, dtype=torch.float32, padding_tokens=3
+    )
+    out = CPUAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    n = sum(q for q, _ in MIXED)
+    assert_close(out[:n], reference_attention(batch)[:n], torch.float32)
+
+
+@needs_kernels
+def test_cpu_backend_all_decodes_in_order() -> None:
+    batch = decode_batch([3, 100, 33, 64, 1], block_size=16, num_kv_heads=3, group=3, head_dim=64, seed=5)
+    out = CPUAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, reference_attention(batch), torch.float32)
+
+
+def test_torch_backend_grouped_decodes() -> None:
+    """Very different lengths split the decodes into several padded groups."""
+    lengths = [2, 3, 700, 5, 650, 64, 1, 690]
+    assert len(group_by_length(lengths)) > 1
+    batch = decode_batch(lengths, block_size=16, num_kv_heads=2, group=2, head_dim=32, seed=6)
+    # The reference backend reads padding slots and masks them, so they must hold finite values
+    # (large ones here, so that a masking mistake shows).
+    batch.k_cache = batch.k_cache.nan_to_num(nan=1e4)
+    batch.v_cache = batch.v_cache.nan_to_num(nan=1e4)
+    out = TorchAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, reference_attention(batch), torch.float32)
+
+
+def _cost(lengths: list[int], groups: list[list[int]], group_cost: int) -> int:
+    return sum(len(g) * max(lengths[i] for i in g) + group_cost for g in groups)
+
+
+def _best_cost(lengths: list[int], group_cost: int) -> int:
+    """Brute force over every contiguous split of the sorted lengths."""
+    s = sorted(lengths)
+    n = len(s)
+    best = None
+    for mask in range(1 << (n - 1)):
+        cost, start = 0, 0
+        for i in range(n):
+            if i == n - 1 or mask >> i & 1:
+                cost += (i + 1 - start) * s[i] + group_cost
+                start = i + 1
+        best = cost if best is None else min(best, cost)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_group_by_length_is_an_optimal_partition(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 2000) for _ in range(rng.randint(1, 9))]
+    group_cost = rng.choice([0, 100, 1024, 100_000])
+    groups = group_by_length(lengths, group_cost)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert _cost(lengths, groups, group_cost) == _best_cost(lengths, group_cost)
+
+
+def test_choose_attention_backend() -> None:
+    cpu = torch.device("cpu")
+    assert choose_attention_backend("torch", cpu, torch.float32) == "torch"
+    expected = "cpu" if kernels_available() else "torch"
+    assert choose_attention_backend(None, cpu, torch.float32) == expected
+    assert choose_attention_backend(None, cpu, torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="attention_backend 'cpu'"):
+        choose_attention_backend("cpu", cpu, torch.bfloat16)
+
+
+needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL packing")
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 65, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    # Non-contiguous and 3-D inputs.
+    x3 = torch.randn(2, rows, 192)[:, :, ::2]
+    torch.testing.assert_close(packed(x3), F.linear(x3, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_optimize_cpu_linears_keeps_tied_weights_shared() -> None:
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.proj = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.proj(self.embed(ids)))
+
+    model = Tiny()
+    ids = torch.arange(50).repeat(2)
+    expected = model(ids)
+    form = optimize_cpu_linears(model)
+    assert form == ("mkl-packed" if mkl_packing_available() else "column-major")
+    assert model.head.weight is model.embed.weight
+    torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
