@@ -7,14 +7,17 @@
 The kernels follow the torch formulas of :mod:`pagedllm.model.layers` step by step, rounding
 intermediate values to the input dtype where torch does, so both paths agree up to the last-bit
 differences of fp32 ``exp``/``rsqrt`` implementations.
-Triton runs on CUDA tensors (when triton is installed); CPU tensors use torch unless ``use_triton=True``
-asks for the Triton interpreter (for tests).
+Triton runs on CUDA tensors (when triton is installed); float32 CPU tensors use the native kernels of
+:mod:`pagedllm.layers_cpu` when they build, other tensors torch, unless ``use_triton=True`` asks for
+the Triton interpreter (for tests).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm import layers_cpu
 
 try:
     import triton
@@ -144,6 +147,8 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dimension of ``x`` (any leading shape)."""
     if x.numel() == 0 or not _use_triton(x, use_triton):
+        if x.numel() and layers_cpu.usable(x, weight):
+            return layers_cpu.rms_norm(x, weight, eps)[0]
         return rms_norm_torch(x, weight, eps)
     out, _ = _norm_launch(x, None, weight, eps)
     return out
@@ -159,6 +164,10 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` - the pre-norm block's add-then-normalise."""
     if x.numel() == 0 or not _use_triton(x, use_triton):
+        if x.numel() and layers_cpu.usable(x, residual, weight):
+            out, summed = layers_cpu.rms_norm(x, weight, eps, residual)
+            assert summed is not None
+            return out, summed
         summed = x + residual
         return rms_norm_torch(summed, weight, eps), summed
     out, launched_residual = _norm_launch(x, residual, weight, eps)
@@ -169,6 +178,8 @@ def fused_add_rms_norm(
 def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
     """``silu(gate) * up`` where ``x = [gate, up]`` along the last dimension."""
     if x.numel() == 0 or not _use_triton(x, use_triton):
+        if x.numel() and layers_cpu.usable(x):
+            return layers_cpu.silu_and_mul(x)
         return silu_and_mul_torch(x)
     from pagedllm.attention.triton_kernels import launch
 

@@ -152,6 +152,22 @@ def test_throughput_dataset(tmp_path: Path) -> None:
     assert data["warmup"] is False
 
 
+def test_step_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--batch-size", "4", "--context-len", "20", "--steps", "3", "--warmup-steps", "1"]
+    assert main([*argv, *TINY_ENGINE, "--output-json", str(out)]) == 0
+    data = _read(out)
+    assert data["batch_size"] == 4 and data["steps"] == 3
+    phases = data["phases_s"]
+    assert set(phases) == {"schedule", "prepare", "forward", "sample", "outputs", "other"}
+    assert min(phases.values()) >= 0 and phases["forward"] > 0
+    timed = sum(v for k, v in phases.items() if k != "other")
+    assert timed <= data["step_s"] * 1.001
+    assert data["overhead_s"] == pytest.approx(data["step_s"] - phases["forward"])
+    assert "Overhead outside the model forward" in capsys.readouterr().out
+    assert main(["bench", "step", "--batch-size", "0", *TINY_ENGINE]) == 2
+
+
 def test_throughput_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "throughput", *TINY_WORKLOAD, *TINY_ENGINE, "--baseline", "hf-nope"]) == 2
     with pytest.raises(SystemExit):

@@ -86,10 +86,10 @@ def choose_attention_backend(requested: str | None, device: torch.device, dtype:
     """The backend to use: ``requested``, checked, or the best available when it is None.
 
     Default: ``"triton"`` on CUDA; on the CPU ``"cpu"`` for float32 models when its native kernel
-    builds (see :mod:`pagedllm.attention.cpu_kernels`), else ``"torch"``.
+    builds (see :mod:`pagedllm.native`), else ``"torch"``.
     """
     if requested == "cpu":
-        from pagedllm.attention.cpu_kernels import load_library
+        from pagedllm.native import load_library
 
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError("attention_backend 'cpu' needs device 'cpu' and dtype float32.")
@@ -100,7 +100,7 @@ def choose_attention_backend(requested: str | None, device: torch.device, dtype:
     if device.type == "cuda":
         return "triton"
     if device.type == "cpu" and dtype == torch.float32:
-        from pagedllm.attention.cpu_kernels import kernels_available
+        from pagedllm.native import kernels_available
 
         if kernels_available():
             return "cpu"

@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.stats import EngineStats, StepPhaseTimes
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
@@ -77,6 +77,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._structured_output_manager: StructuredOutputManager | None = None
         self.num_prompt_tokens = 0
+        self.step_times = StepPhaseTimes()
         self.num_generation_tokens = 0
         tokens = num_blocks * config.block_size
         logger.info(
@@ -263,14 +264,19 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the requests that progressed."""
+        times = self.step_times
+        started = time.perf_counter()
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
+        times.steps += 1
+        times.schedule += time.perf_counter() - started
         try:
-            rows, sampled = self.runner.execute(so)
+            rows, sampled = self.runner.execute(so, times)
         except BaseException:
             self.kv.uncache(so.newly_cached_blocks)  # registered for content that was never written
             raise
+        finished_model = time.perf_counter()
         for sr in so.scheduled:
             start = sr.request.num_computed_tokens
             self.num_prompt_tokens += max(0, min(start + sr.num_tokens, sr.request.num_prompt_tokens) - start)
@@ -295,6 +301,7 @@ class LLMEngine:
             outputs.append(parent.output())
             if parent.finished:
                 self.output_processor.remove(pid)
+        times.outputs += time.perf_counter() - finished_model
         return outputs
 
     # -- introspection ----------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm import layers_triton
+from pagedllm import layers_cpu, layers_triton
 
 
 class RMSNorm(nn.Module):
@@ -68,27 +68,41 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> RotaryTables:
-        """The cos/sin rows of ``positions``, looked up once per forward and shared by every layer."""
+        """What rotating ``positions`` needs, prepared once per forward and shared by every layer."""
+        if layers_cpu.usable(self.cos_cache) and positions.device.type == "cpu":
+            return RotaryTables(positions, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions]
         sin = self.sin_cache[positions]
         # Full-width rows so that a head rotates as x * cos + swap_halves(x) * signed_sin.
-        return RotaryTables(torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1))
+        full = (torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1))
+        return RotaryTables(positions, self.cos_cache, self.sin_cache, full)
 
 
 @dataclass
 class RotaryTables:
-    cos: torch.Tensor  # [T, 1, D]: (cos, cos)
-    signed_sin: torch.Tensor  # [T, 1, D]: (-sin, sin)
+    positions: torch.Tensor  # [T]
+    cos_cache: torch.Tensor  # [max_pos, D / 2] float32
+    sin_cache: torch.Tensor
+    # The torch path's per-token rows: (cos, cos) and (-sin, sin), each [T, 1, D]; None when the
+    # native CPU kernel rotates straight from the caches.
+    full: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, heads, D]`` (any head count: q and k heads may be rotated together).
 
-        Equal to HF's ``x * cos + rotate_half(x) * sin``, computed in float32.
+        Equal to HF's ``x * cos + rotate_half(x) * sin``, computed in float32. On the native CPU path
+        ``x`` is rotated in place (callers pass projection outputs they own).
         """
+        if self.full is None and x.stride(-1) == 1 and layers_cpu.usable(x):
+            return layers_cpu.rotary_(x, self.positions, self.cos_cache, self.sin_cache)
+        if self.full is None:
+            cos = self.cos_cache[self.positions]
+            sin = self.sin_cache[self.positions]
+            self.full = (torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1))
         t, h, d = x.shape
         x32 = x.float()
         swapped = x32.reshape(t, h, 2, d // 2).flip(2).reshape(t, h, d)
-        return torch.addcmul(x32 * self.cos, swapped, self.signed_sin).to(x.dtype)
+        return torch.addcmul(x32 * self.full[0], swapped, self.full[1]).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ returns one token per row, in the order vLLM v1 uses:
 5. ``bad_words`` (the last token of a banned sequence is masked when the output ends with its prefix);
 6. ``min_tokens`` (EOS and stop token ids masked until enough tokens were generated);
 7. greedy rows take the argmax of the processed logits; random rows go through temperature, top-k,
-   top-p and min-p and are sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
+   top-p and min-p and are sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``
+   (on GPUs), or by inverse transform sampling with one uniform number per row (on the CPU, where
+   drawing a vocabulary's worth of noise per row costs more than the rest of sampling).
 
 Every step is a batch tensor operation; Python only builds the small per-row parameter tensors.
 A row with a per-request ``torch.Generator`` draws its noise from that generator alone, so a seeded
@@ -182,6 +184,34 @@ def exponential_noise(
             draw = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
             noise[i].copy_(draw.uniform_(generator=generator))
     return noise.log_().neg_()
+
+
+def inverse_cdf_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` (``[rows, vocab]``, unnormalised, non-negative, each row with
+    some positive mass) by inverse transform sampling: the first token whose cumulative mass exceeds
+    ``u * total`` for ``u`` uniform in ``[0, 1)``.
+
+    It draws one random number per row instead of one per vocabulary entry, which on the CPU makes it
+    many times cheaper than the exponential race; a token of zero probability is never chosen. Rows
+    with a generator draw their ``u`` from it alone, the others share one draw.
+    """
+    num_rows = probs.shape[0]
+    u = torch.empty(num_rows, dtype=torch.float64)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < num_rows:
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for i in seeded:
+        generator = generators[i]
+        assert generator is not None
+        u[i] = torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device).item()
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the search always lands on a token with positive probability.
+    target = torch.minimum(
+        u.to(probs.device, probs.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+    )
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _has_min_tokens_ban(params: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> bool:
@@ -406,6 +436,8 @@ class Sampler:
         if thresholds is not None:
             probs.masked_fill_(probs < thresholds[:, None], 0.0)
 
+        if device.type == "cpu":
+            return inverse_cdf_sample(probs, generators)
         noise = exponential_noise(num_rows, vocab_size, generators, device)
         return probs.div_(noise).max(dim=-1).indices
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata, get_attention_backend
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.engine.stats import StepPhaseTimes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_linear import optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
@@ -239,7 +241,9 @@ class ModelRunner:
         )
 
     # -- execution --------------------------------------------------------------------------
-    def _forward(self, so: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, so: SchedulerOutput, times: StepPhaseTimes
+    ) -> tuple[BatchInputs, torch.Tensor, torch.Tensor | None]:
         """The model over one step: ``(inputs, hidden states of every row, logits of the sampled rows)``.
 
         Decode-only steps replay a CUDA graph when one was captured, which also yields the logits;
@@ -247,13 +251,21 @@ class ModelRunner:
         """
         assert self.kv_cache is not None, "KV cache not allocated"
         graphs = self.cuda_graphs
+        started = time.perf_counter()
         if graphs is None or not graphs.can_run(so):
             inputs = self.prepare_inputs(so)
+            prepared = time.perf_counter()
+            times.prepare += prepared - started
             ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
-            return inputs, self.model(inputs.input_ids, inputs.positions, ctx), None
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            times.forward += time.perf_counter() - prepared
+            return inputs, hidden, None
         n = len(so.scheduled)
         bucket = graphs.load_inputs(so)
+        prepared = time.perf_counter()
+        times.prepare += prepared - started
         hidden, logits = graphs.replay(bucket)
+        times.forward += time.perf_counter() - prepared
         sample_rows = [i for i, sr in enumerate(so.scheduled) if sr.needs_sample]
         if len(sample_rows) == n:
             logits_indices = graphs.query_start_loc[:n]  # 0 .. n-1: one row per request
@@ -299,15 +311,23 @@ class ModelRunner:
                 req.prompt_logprobs.append(entry)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> tuple[list[int], SamplerOutput | None]:
-        """Run one step; returns (rows of ``so.scheduled`` that got a token, sampler output)."""
+    def execute(
+        self, so: SchedulerOutput, times: StepPhaseTimes | None = None
+    ) -> tuple[list[int], SamplerOutput | None]:
+        """Run one step; returns (rows of ``so.scheduled`` that got a token, sampler output).
+
+        Phase times are added to ``times`` when given."""
         assert self.kv_cache is not None, "KV cache not allocated"
-        inputs, hidden, logits = self._forward(so)
+        times = times if times is not None else StepPhaseTimes()
+        inputs, hidden, logits = self._forward(so, times)
         self._prompt_logprobs(so, inputs, hidden)
         if not inputs.sample_rows:
             return [], None
+        started = time.perf_counter()
         if logits is None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampling = time.perf_counter()
+        times.forward += sampling - started
         reqs = [so.scheduled[r].request for r in inputs.sample_rows]
         if any(r.grammar is not None for r in reqs):
             from pagedllm.structured.grammar import apply_grammar_bitmask  # xgrammar loads on first use
@@ -321,4 +341,6 @@ class ModelRunner:
             bad_words_token_ids=[r.bad_words_token_ids for r in reqs],
             eos_token_ids=reqs[0].eos_token_ids,
         )
-        return inputs.sample_rows, self.sampler(logits, batch)
+        sampled = self.sampler(logits, batch)
+        times.sample += time.perf_counter() - sampling
+        return inputs.sample_rows, sampled

@@ -1,5 +1,6 @@
-"""The CPU attention backend (native decode kernel), the torch backend's length-grouped decodes,
-and the MKL-packed linear layers, against naive references."""
+"""The native CPU kernels (paged decode attention, RMSNorm, SiLU-and-mul, rotary), the CPU attention
+backend, the torch backend's length-grouped decodes and the MKL-packed linear layers, against naive
+references."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import torch.nn.functional as F
 from attention_cases import MIXED, Batch, assert_close, reference_attention
 from torch import nn
 
+from pagedllm import layers_cpu
 from pagedllm.attention.base import choose_attention_backend
 from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.cpu_kernels import kernels_available, paged_decode_attention
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
+from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
 from pagedllm.model.cpu_linear import PackedLinear, mkl_packing_available, optimize_cpu_linears
+from pagedllm.model.layers import RotaryEmbedding
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
 
@@ -71,7 +75,9 @@ def test_decode_kernel_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="query"):
         paged_decode_attention(batch.query.bfloat16(), *args)
     with pytest.raises(ValueError, match="block_tables"):
-        paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables.long(), *args[3:])
+        paged_decode_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.block_tables.long(), *args[3:]
+        )
 
 
 @needs_kernels
@@ -182,3 +188,53 @@ def test_optimize_cpu_linears_keeps_tied_weights_shared() -> None:
     assert form == ("mkl-packed" if mkl_packing_available() else "column-major")
     assert model.head.weight is model.embed.weight
     torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 700, generator=gen)
+    x = wide[:, 50:626]  # rows strided wider than the hidden size
+    residual = torch.randn(rows, 576, generator=gen) if with_residual else None
+    weight = torch.randn(576, generator=gen)
+    out, summed = layers_cpu.rms_norm(x, weight, 1e-5, residual)
+    expected_sum = x + residual if residual is not None else x
+    torch.testing.assert_close(out, rms_norm_torch(expected_sum, weight, 1e-5), atol=1e-5, rtol=1e-5)
+    if residual is None:
+        assert summed is None
+    else:
+        assert summed is not None and torch.equal(summed, expected_sum)
+    # 3-D input (per-head norms of Qwen3).
+    x3 = torch.randn(rows, 4, 64, generator=gen)
+    out3, _ = layers_cpu.rms_norm(x3, weight[:64], 1e-6)
+    torch.testing.assert_close(out3, rms_norm_torch(x3, weight[:64], 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 33])
+def test_native_silu_and_mul_matches_torch(rows: int) -> None:
+    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
+    torch.testing.assert_close(layers_cpu.silu_and_mul(x), silu_and_mul_torch(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_native_rotary_matches_torch_in_place() -> None:
+    gen = torch.Generator().manual_seed(3)
+    rotary = RotaryEmbedding(64, 4096, 10000.0)
+    positions = torch.tensor([0, 1, 17, 4095, 300])
+    qkv = torch.randn(5, (9 + 2 * 3) * 64, generator=gen)
+    qk = qkv[:, : 12 * 64].view(5, 12, 64)  # q and k heads of a fused projection, strided rows
+    tables = rotary.tables(positions)
+    assert tables.full is None, "the native path needs no per-token tables"
+    # HF's x * cos + rotate_half(x) * sin.
+    cos = torch.cat([rotary.cos_cache[positions]] * 2, -1)[:, None]
+    sin = torch.cat([rotary.sin_cache[positions]] * 2, -1)[:, None]
+    rotate_half = torch.cat([-qk[..., 32:], qk[..., :32]], -1)
+    reference = qk * cos + rotate_half * sin
+    v_before = qkv[:, 12 * 64 :].clone()
+    out = tables.apply(qk)
+    assert out.data_ptr() == qk.data_ptr(), "rotated in place"
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, 12 * 64 :], v_before), "V untouched"

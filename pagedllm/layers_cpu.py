@@ -1,0 +1,82 @@
+"""Fused CPU (float32) forms of RMSNorm, SiLU-and-mul and rotary embedding, from the native kernels.
+
+Each replaces several torch ops (and their temporaries) by one pass over each row; they compute
+the formulas of :mod:`pagedllm.layers_triton`'s torch references, up to float rounding.
+:func:`usable` says whether a tensor can take this path (CPU, float32, kernels built).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.native import kernels_available, load_library
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and kernels_available()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last]`` with unit stride along the last dimension (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(s), s)`` with ``s = x + residual``, or ``(rms_norm(x), None)`` without a residual."""
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    out = torch.empty(rows, hidden, dtype=torch.float32)
+    res2 = _rows(residual) if residual is not None else None
+    res_out = torch.empty(rows, hidden, dtype=torch.float32) if residual is not None else None
+    load_library().rms_norm_f32(
+        x2.data_ptr(),
+        x2.stride(0),
+        res2.data_ptr() if res2 is not None else None,
+        res2.stride(0) if res2 is not None else 0,
+        out.data_ptr(),
+        hidden,
+        res_out.data_ptr() if res_out is not None else None,
+        hidden,
+        weight.contiguous().data_ptr(),
+        rows,
+        hidden,
+        eps,
+    )
+    return out.view(x.shape), (res_out.view(x.shape) if res_out is not None else None)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]``."""
+    d = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], d, dtype=torch.float32)
+    load_library().silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out.data_ptr(), d, x2.shape[0], d)
+    return out.view(*x.shape[:-1], d)
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, D]`` in place (its last dimension contiguous) and return it.
+
+    ``positions`` ``[T]`` int64 index rows of ``cos``/``sin`` ``[max_pos, D / 2]`` (float32,
+    contiguous); positions must be in range (the caller's invariant).
+    """
+    t, heads, d = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError("rotary_ needs x contiguous along head_dim.")
+    positions = positions.to(torch.int64).contiguous()
+    load_library().rotary_f32(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        t,
+        heads,
+        d,
+        positions.data_ptr(),
+        cos.contiguous().data_ptr(),
+        sin.contiguous().data_ptr(),
+    )
+    return x
