@@ -154,7 +154,18 @@ def test_throughput_dataset(tmp_path: Path) -> None:
 
 def test_step_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "step.json"
-    argv = ["bench", "step", "--batch-size", "4", "--context-len", "20", "--steps", "3", "--warmup-steps", "1"]
+    argv = [
+        "bench",
+        "step",
+        "--batch-size",
+        "4",
+        "--context-len",
+        "20",
+        "--steps",
+        "3",
+        "--warmup-steps",
+        "1",
+    ]
     assert main([*argv, *TINY_ENGINE, "--output-json", str(out)]) == 0
     data = _read(out)
     assert data["batch_size"] == 4 and data["steps"] == 3
