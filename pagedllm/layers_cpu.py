@@ -1,4 +1,5 @@
-"""Fused CPU (float32) forms of RMSNorm, SiLU-and-mul and rotary embedding, from the native kernels.
+"""Fused CPU (float32) forms of RMSNorm, SiLU-and-mul, rotary embedding and the sampler's row
+max / logsumexp, from the native kernels.
 
 Each replaces several torch ops (and their temporaries) by one pass over each row; they compute
 the formulas of :mod:`pagedllm.layers_triton`'s torch references, up to float rounding.
@@ -13,7 +14,10 @@ from pagedllm.native import kernels_available, load_library
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and kernels_available()
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return kernels_available()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -80,3 +84,18 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         sin.contiguous().data_ptr(),
     )
     return x
+
+
+def max_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` ``[rows, n]``: ``(max, first argmax, logsumexp)`` in one pass over the row
+    (two over cache-resident data) instead of torch's separate reductions."""
+    x2 = _rows(x)
+    rows, n = x2.shape
+    best = torch.empty(rows, dtype=torch.float32)
+    index = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    if rows:
+        load_library().max_logsumexp_f32(
+            x2.data_ptr(), x2.stride(0), rows, n, best.data_ptr(), index.data_ptr(), lse.data_ptr()
+        )
+    return best, index, lse

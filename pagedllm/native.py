@@ -46,6 +46,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32],
     "silu_and_mul_f32": [_PTR, _I64, _PTR, _I64, _I64, _I64],
     "rotary_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
+    "max_logsumexp_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
 }
 _RETURNS: dict[str, Any] = {"paged_decode_attention_f32": ctypes.c_int}
 

@@ -116,6 +116,8 @@ def test_throughput_random_with_baselines(
 
     roof = data["roofline"]
     assert roof["time_floor_s"] == max(roof["compute_floor_s"], roof["memory_floor_s"]) > 0
+    assert roof["compute_floor_s"] == pytest.approx(roof["gemm_floor_s"] + roof["attention_floor_s"])
+    assert roof["attention_floor_s"] > 0
     assert roof["fraction_of_roofline"] == pytest.approx(roof["time_floor_s"] / engine["elapsed_s"])
 
 

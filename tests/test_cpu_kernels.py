@@ -238,3 +238,18 @@ def test_native_rotary_matches_torch_in_place() -> None:
     assert out.data_ptr() == qk.data_ptr(), "rotated in place"
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, 12 * 64 :], v_before), "V untouched"
+
+
+@needs_kernels
+def test_native_max_logsumexp_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 49152, generator=gen) * 8
+    x[1, ::3] = float("-inf")  # masked tokens
+    x[2] = float("-inf")  # a row with nothing left
+    x[3, [10, 20]] = 1e4  # a tie: the first index wins
+    best, index, lse = layers_cpu.max_logsumexp(x[:, :49000])  # strided rows
+    ref_best, ref_index = x[:, :49000].max(dim=-1)
+    assert torch.equal(best, ref_best)
+    assert index.tolist()[3] == 10
+    assert torch.equal(index[[0, 1, 4, 5]], ref_index[[0, 1, 4, 5]])
+    torch.testing.assert_close(lse, torch.logsumexp(x[:, :49000], dim=-1), atol=1e-4, rtol=1e-5)

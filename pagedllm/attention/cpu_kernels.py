@@ -42,6 +42,8 @@ def paged_decode_attention(
         raise ValueError("seq_lens must be a contiguous int32 tensor.")
     if out is None:
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    elif out.shape != query.shape or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("out must be a float32 tensor shaped like query, contiguous along head_dim.")
     if num_seqs == 0:
         return out
     rc = load_library().paged_decode_attention_f32(

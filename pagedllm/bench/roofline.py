@@ -14,8 +14,9 @@ From those and the model's sizes follow the floors (lower bounds on time, so upp
   tokens: ``max((weight_bytes + B*L*kv_bytes_per_token) / bandwidth, 2*matmul_params*B / gemm(B))``;
 * a prefill token costs ``2 * matmul_params`` FLOPs: ``2*matmul_params / gemm(M)``.
 
-where ``gemm(M)`` interpolates the measured rates in log2(M). Attention score FLOPs, norms,
-activations and sampling are left out, so the floors are optimistic.
+where ``gemm(M)`` interpolates the measured rates in log2(M). A whole workload's floor
+(:func:`workload_floor`) adds the attention reads of its decode tokens to the GEMM time. Prefill
+attention FLOPs, norms, activations and sampling are left out, so the floors are optimistic.
 """
 
 from __future__ import annotations
@@ -214,10 +215,13 @@ def workload_floor(
 ) -> dict[str, float]:
     """A lower bound on the time any engine needs for ``workload`` on this machine.
 
-    Compute: every prompt and output token costs ``2 * matmul_params`` FLOPs (prompt tokens at the rate
-    of ``max_num_batched_tokens``-row GEMMs, output tokens at the rate of ``max_num_seqs``-row ones).
+    Compute: the matrix products (every prompt and output token costs ``2 * matmul_params`` FLOPs,
+    prompt tokens at the rate of ``max_num_batched_tokens``-row GEMMs, output tokens at the rate of
+    ``max_num_seqs``-row ones) plus attention (each output token reads the K/V of its context once,
+    at the measured bandwidth; prefill attention FLOPs are left out). A layer runs its projections and
+    its attention one after the other, so their times add.
     Memory: at least ``max(longest output, total output / max_num_seqs)`` decode steps, each reading
-    every weight, plus each output token reading the KV cache of its context once.
+    every weight, plus the same K/V reads.
     The floor is the larger of the two.
     """
     model = roofline["model"]
@@ -225,16 +229,20 @@ def workload_floor(
     batch = max(1, min(max_num_seqs, len(reqs)))
     prompt_tokens = workload.num_prompt_tokens
     output_tokens = workload.num_output_tokens
-    compute_s = prompt_tokens * prefill_token_floor(roofline, max_num_batched_tokens) + (
+    gemm_s = prompt_tokens * prefill_token_floor(roofline, max_num_batched_tokens) + (
         output_tokens * 2 * model["matmul_params"] / gemm_rate_for(roofline, batch)
     )
     steps = max(max((r.output_len for r in reqs), default=0), math.ceil(output_tokens / batch))
     kv_tokens_read = sum(r.output_len * r.prompt_len + r.output_len * (r.output_len - 1) // 2 for r in reqs)
     bw = float(roofline["memory_bandwidth_bytes_per_s"])
-    memory_s = (steps * model["weight_bytes"] + kv_tokens_read * model["kv_bytes_per_token"]) / bw
+    attention_s = kv_tokens_read * model["kv_bytes_per_token"] / bw
+    compute_s = gemm_s + attention_s
+    memory_s = steps * model["weight_bytes"] / bw + attention_s
     total = prompt_tokens + output_tokens
     floor = max(compute_s, memory_s)
     return {
+        "gemm_floor_s": gemm_s,
+        "attention_floor_s": attention_s,
         "compute_floor_s": compute_s,
         "memory_floor_s": memory_s,
         "time_floor_s": floor,

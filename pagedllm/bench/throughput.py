@@ -514,7 +514,9 @@ def _print_report(
         )
     if roofline is not None:
         print(
-            f"\nRoofline ({roofline['bound']}-bound): floor {roofline['time_floor_s']:.2f} s for this workload, "
+            f"\nRoofline ({roofline['bound']}-bound): floor {roofline['time_floor_s']:.2f} s for this workload "
+            f"(GEMMs {roofline['gemm_floor_s']:.2f} s + attention {roofline['attention_floor_s']:.2f} s; "
+            f"memory {roofline['memory_floor_s']:.2f} s), "
             f"ceiling {roofline['total_tokens_per_s_ceiling']:,.0f} total tok/s; pagedllm reaches "
             f"{roofline['fraction_of_roofline']:.1%} of it."
         )

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import layers_cpu
 from pagedllm.outputs import Logprob
 from pagedllm.sample.penalties import apply_penalties, flatten_token_ids
 from pagedllm.sampling_params import SamplingParams
@@ -350,7 +351,11 @@ class Sampler:
         device = logits.device
         raw = logits.float()  # the caller's tensor when already float32: never written to
 
-        raw_logsumexp = torch.logsumexp(raw, dim=-1)
+        raw_max: torch.Tensor | None = None
+        if layers_cpu.usable(raw):
+            raw_max, raw_argmax, raw_logsumexp = layers_cpu.max_logsumexp(raw)
+        else:
+            raw_logsumexp = torch.logsumexp(raw, dim=-1)
         if any(_row_needs_processing(batch, i) for i in range(num_rows)):
             processed = raw.clone()
             apply_logits_processors(processed, batch)
@@ -362,10 +367,13 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sampled_raw: torch.Tensor | None = None
         if len(greedy_rows) == num_rows:
-            # Tensor.max(dim) is cheaper than argmax on CPU and gives the raw logit when unprocessed.
-            best, token_ids = processed.max(dim=-1)
-            if not owned:
-                sampled_raw = best
+            if raw_max is not None and not owned:
+                token_ids, sampled_raw = raw_argmax, raw_max
+            else:
+                # Tensor.max(dim) is cheaper than argmax on CPU and gives the raw logit when unprocessed.
+                best, token_ids = processed.max(dim=-1)
+                if not owned:
+                    sampled_raw = best
         elif not greedy_rows:
             token_ids = self._sample_random(processed, params, batch.generators, owned)
         else:
