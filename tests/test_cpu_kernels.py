@@ -15,11 +15,12 @@ from torch import nn
 from pagedllm import layers_cpu
 from pagedllm.attention.base import choose_attention_backend
 from pagedllm.attention.cpu_backend import CPUAttentionBackend
-from pagedllm.attention.cpu_kernels import kernels_available, paged_decode_attention
+from pagedllm.attention.cpu_kernels import paged_decode_attention
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
 from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
 from pagedllm.model.cpu_linear import PackedLinear, mkl_packing_available, optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
+from pagedllm.native import kernels_available
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
 

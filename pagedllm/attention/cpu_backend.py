@@ -32,8 +32,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def plan_decodes(
         self, meta: AttentionMetadata, decodes: list[int], starts: list[int], device: torch.device
     ) -> object:
-        in_order = decodes == list(range(len(decodes))) and starts[len(decodes)] == len(decodes)
-        if in_order:
+        if decodes == list(range(len(decodes))):  # the first rows, one per request
             tables, lens = meta.block_tables[: len(decodes)], meta.seq_lens[: len(decodes)]
             rows = None
         else:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.native import kernels_available, load_library
-
-__all__ = ["kernels_available", "paged_decode_attention"]
+from pagedllm.native import load_library
 
 
 def paged_decode_attention(

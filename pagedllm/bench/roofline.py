@@ -126,29 +126,30 @@ def measure_gemm(
 ) -> dict[str, Any]:
     """FLOP rate of one forward pass's linear layers for ``tokens`` rows, on the model's shapes.
 
-    Each way of multiplying the engine can use is timed (``torch.matmul``, and MKL-packed weights for
+    Each way of multiplying the engine can use is timed (a plain ``F.linear``, reported as ``matmul``,
+    and MKL-packed weights for
     float32 where torch has them, see :mod:`pagedllm.model.cpu_linear`); the rate is the fastest.
     """
     from pagedllm.model.cpu_linear import PackedLinear, mkl_packing_available
 
     weights = [(torch.randn(n, k, dtype=dtype) * 0.02, c) for n, k, c in sizes.linear_shapes]
     inputs = {k: torch.randn(tokens, k, dtype=dtype) for _, k, _ in sizes.linear_shapes}
-    methods: dict[str, Any] = {"matmul": lambda x, w: lambda: torch.matmul(x, w.t())}
+    plain = []
+    for w, _ in weights:
+        layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
+        layer.weight.data = w
+        plain.append(layer)
+    methods: dict[str, list[torch.nn.Module]] = {"matmul": list(plain)}
     if dtype == torch.float32 and mkl_packing_available():
-
-        def packed(x: torch.Tensor, w: torch.Tensor) -> Any:
-            linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-            linear.weight.data = w
-            layer = PackedLinear(linear)
-            return lambda: layer(x)
-
-        methods["mkl-packed"] = packed
+        methods["mkl-packed"] = [PackedLinear(layer) for layer in plain]
     flops = sum(2 * tokens * w.shape[0] * w.shape[1] * count for w, count in weights)
     rates: dict[str, float] = {}
-    for name, make in methods.items():
-        fns = [(make(inputs[w.shape[1]], w), count) for w, count in weights]
+    for name, layers in methods.items():
         with torch.inference_mode():
-            timed = sum(_best_time(fn, repeats, min_time_s / len(weights)) * count for fn, count in fns)
+            timed = sum(
+                _best_time(lambda m=m, x=inputs[w.shape[1]]: m(x), repeats, min_time_s / len(weights)) * count
+                for m, (w, count) in zip(layers, weights, strict=True)
+            )
         rates[name] = flops / timed
     best = max(rates, key=rates.__getitem__)
     return {
