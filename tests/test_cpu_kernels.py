@@ -5,6 +5,7 @@ references."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
 from pagedllm.model.cpu_linear import PackedLinear, mkl_packing_available, optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.native import kernels_available
+from pagedllm.worker import cpu_memory
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
 
@@ -254,3 +256,15 @@ def test_native_max_logsumexp_matches_torch() -> None:
     assert index.tolist()[3] == 10
     assert torch.equal(index[[0, 1, 4, 5]], ref_index[[0, 1, 4, 5]])
     torch.testing.assert_close(lse, torch.logsumexp(x[:, :49000], dim=-1), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc and madvise are Linux's")
+def test_cpu_memory_settings() -> None:
+    assert cpu_memory.keep_freed_memory()
+    assert cpu_memory.keep_freed_memory()  # once per process; repeating is harmless
+    big = torch.empty(8 << 20)  # 32 MiB: spans whole 2 MiB pages
+    assert cpu_memory.advise_huge_pages(big)
+    big.zero_()
+    small = torch.empty(16)  # no whole huge page inside
+    assert not cpu_memory.advise_huge_pages(small)
+    assert not cpu_memory.advise_huge_pages(torch.empty(8 << 20, device="meta"))

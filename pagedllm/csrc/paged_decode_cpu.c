@@ -75,6 +75,141 @@ static inline __attribute__((always_inline)) void decode_seq(
         memcpy(out + h * out_stride_head, acc + (h - h_begin) * D, sizeof(float) * (size_t)D);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 45 instructions
+ * for 16 dot products instead of a full horizontal reduction for each). */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16])
+{
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; ++i)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1
+#endif
+
+/* Prefetch the rows of block ``b`` of a sequence that this task reads. */
+static inline __attribute__((always_inline)) void prefetch_block(
+    const float *cache, const int32_t *table, int64_t b, int64_t len, int64_t block_size, int64_t block_stride,
+    int64_t row_stride, int64_t offset, int64_t width)
+{
+    const int64_t start = b * block_size;
+    const int64_t n = len - start < block_size ? len - start : block_size;
+    const float *rows = cache + (int64_t)table[b] * block_stride + offset;
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < width; d += 16) _mm_prefetch((const char *)(rows + j * row_stride + d), _MM_HINT_T0);
+}
+
+/* decode_seq for head_dim a multiple of 16 (64, 128) with AVX-512: scores of 16 K rows at a time
+ * per query head (row products accumulated across lanes, then one sum16), and the weighted sum of
+ * V rows with each head's output held in registers for a block at a time. The next block's rows
+ * are prefetched while one is computed (blocks are scattered, so the hardware prefetcher cannot
+ * follow them). */
+static inline __attribute__((always_inline)) void decode_seq_avx512(
+    const float *q, int64_t q_stride_head, const float *k_cache, const float *v_cache,
+    const int32_t *table, int64_t len, float *out, int64_t out_stride_head,
+    int64_t kv_begin, int64_t kv_end, int64_t group, const int64_t D, int64_t block_size,
+    int64_t row_stride, int64_t block_stride, float scale, float *scores, float *acc)
+{
+    enum { MAXV = 8 };                 /* head_dim / 16 at most */
+    const int64_t NV = D / 16;
+    const int64_t h_begin = kv_begin * group, h_end = kv_end * group, nh = h_end - h_begin;
+    const int64_t width = (kv_end - kv_begin) * D; /* floats of a row this task reads */
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = b * block_size;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        const float *kb = k_cache + (int64_t)table[b] * block_stride + kv_begin * D;
+        /* K blocks PREFETCH_BLOCKS ahead, then the first V blocks. */
+        if (b + PREFETCH_BLOCKS < nblocks)
+            prefetch_block(k_cache, table, b + PREFETCH_BLOCKS, len, block_size, block_stride, row_stride, kv_begin * D, width);
+        else if (b + PREFETCH_BLOCKS < 2 * nblocks)
+            prefetch_block(v_cache, table, b + PREFETCH_BLOCKS - nblocks, len, block_size, block_stride, row_stride, kv_begin * D, width);
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t m = n - j0 < 16 ? n - j0 : 16;
+            const __mmask16 mask = (__mmask16)((1u << m) - 1u);
+            for (int64_t h = h_begin; h < h_end; ++h) {
+                const float *qh = q + h * q_stride_head;
+                const float *kh = kb + (h / group - kv_begin) * D + j0 * row_stride;
+                __m512 qv[MAXV], rows[16];
+                for (int64_t c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
+                for (int64_t j = 0; j < 16; ++j) {
+                    if (j < m) {
+                        const float *kr = kh + j * row_stride;
+                        __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+                        for (int64_t c = 1; c < NV; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), s);
+                        rows[j] = s;
+                    } else {
+                        rows[j] = _mm512_setzero_ps();
+                    }
+                }
+                _mm512_mask_storeu_ps(scores + (h - h_begin) * len + start + j0, mask,
+                                      _mm512_mul_ps(sum16(rows), vscale));
+            }
+        }
+    }
+    for (int64_t i = 0; i < nh; ++i) {
+        float *sg = scores + i * len;
+        float mx = sg[0];
+        for (int64_t t = 1; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            sg[t] = expf(sg[t] - mx);
+            sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(nh * D));
+    /* Heads per register tile: 16 accumulators at most. */
+    const int64_t chunk = 16 / NV < group ? 16 / NV : group;
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = b * block_size;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        const float *vb = v_cache + (int64_t)table[b] * block_stride + kv_begin * D;
+        if (b + PREFETCH_BLOCKS < nblocks)
+            prefetch_block(v_cache, table, b + PREFETCH_BLOCKS, len, block_size, block_stride, row_stride, kv_begin * D, width);
+        for (int64_t g = kv_begin; g < kv_end; ++g) {
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += chunk) {
+                const int64_t hc = (g + 1) * group - h0 < chunk ? (g + 1) * group - h0 : chunk;
+                __m512 a[16];
+                for (int64_t i = 0; i < hc; ++i)
+                    for (int64_t c = 0; c < NV; ++c) a[i * NV + c] = _mm512_loadu_ps(acc + (h0 + i - h_begin) * D + 16 * c);
+                const float *vh = vb + (g - kv_begin) * D;
+                const float *ph = scores + (h0 - h_begin) * len + start;
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *vr = vh + j * row_stride;
+                    __m512 vv[MAXV];
+                    for (int64_t c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+                    for (int64_t i = 0; i < hc; ++i) {
+                        const __m512 p = _mm512_set1_ps(ph[i * len + j]);
+                        for (int64_t c = 0; c < NV; ++c) a[i * NV + c] = _mm512_fmadd_ps(p, vv[c], a[i * NV + c]);
+                    }
+                }
+                for (int64_t i = 0; i < hc; ++i)
+                    for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (h0 + i - h_begin) * D + 16 * c, a[i * NV + c]);
+            }
+        }
+    }
+    for (int64_t h = h_begin; h < h_end; ++h)
+        memcpy(out + h * out_stride_head, acc + (h - h_begin) * D, sizeof(float) * (size_t)D);
+}
+#endif
+
 int paged_decode_attention_f32(
     const float *q, int64_t q_stride_seq, int64_t q_stride_head,
     const float *k_cache, const float *v_cache,
@@ -108,12 +243,17 @@ int paged_decode_attention_f32(
             float *os = out + s * out_stride_seq;
             const int32_t *table = block_tables + s * table_stride;
             const int64_t len = seq_lens[s];
-#define CALL(DIM) decode_seq(qs, q_stride_head, k_cache, v_cache, table, len, os, out_stride_head, kv_begin, \
+#define CALL(FN, DIM) FN(qs, q_stride_head, k_cache, v_cache, table, len, os, out_stride_head, kv_begin, \
                              kv_end, group, DIM, block_size, row_stride, block_stride, scale, scores, acc)
             switch (head_dim) {
-            case 64: CALL(64); break;
-            case 128: CALL(128); break;
-            default: CALL(head_dim);
+#if defined(__AVX512F__)
+            case 64: CALL(decode_seq_avx512, 64); break;
+            case 128: CALL(decode_seq_avx512, 128); break;
+#else
+            case 64: CALL(decode_seq, 64); break;
+            case 128: CALL(decode_seq, 128); break;
+#endif
+            default: CALL(decode_seq, head_dim);
             }
 #undef CALL
         }

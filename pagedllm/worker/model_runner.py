@@ -18,6 +18,7 @@ from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.outputs import Logprob
 from pagedllm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.model.rotary.to(dtype=torch.float32)
         if device.type == "cpu":
             logger.info("CPU linear layers: %s weights", optimize_cpu_linears(self.model))
+            keep_freed_memory()
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
         self.cuda_graphs: CUDAGraphRunner | None = None

@@ -1,0 +1,89 @@
+"""How the engine's process uses host memory when the model runs on the CPU (Linux, glibc).
+
+torch's CPU allocator takes every tensor straight from ``malloc`` and returns it on release. With
+glibc's defaults, blocks above a (moving) threshold are fresh ``mmap`` regions and freed memory at
+the top of the heap is given back to the kernel, so the activations of each layer, which a forward
+allocates and frees hundreds of times, are page-faulted in anew every time: about a fifth of a
+small decode step and of a large prefill GEMM on the CPUs measured (see docs/PERFORMANCE.md).
+:func:`keep_freed_memory` makes ``malloc`` keep freed blocks for reuse instead.
+
+The paged KV cache is read block by block at scattered addresses; :func:`advise_huge_pages` asks
+for transparent huge pages for it, so that those reads miss the TLB far less often.
+
+Both are best effort: elsewhere (another C library, another OS) they do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Blocks below this come from the heap and are reused after release (prefill activations are
+# tens of MiB); bigger ones (the KV cache) keep their own mapping.
+_MMAP_THRESHOLD_BYTES = 256 << 20
+# Free memory at the top of the heap kept rather than returned to the kernel.
+_TRIM_THRESHOLD_BYTES = 1 << 30
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return libc
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Make glibc ``malloc`` reuse freed memory instead of unmapping it (once per process).
+
+    Sets fixed thresholds (``M_MMAP_THRESHOLD`` 256 MiB, ``M_TRIM_THRESHOLD`` 1 GiB), which also
+    stops glibc from adjusting them. The process's resident memory then stays at its high-water
+    mark. Returns whether both settings were taken.
+    """
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+    )
+    if not ok:
+        logger.debug("malloc thresholds not set; freed activations are returned to the kernel.")
+    return ok
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back ``tensor``'s memory with transparent huge pages (call before first touch).
+
+    Where transparent huge pages are set to ``madvise`` (a common default) only advised memory gets
+    them. Covers the 2 MiB-aligned part of the tensor; returns whether the advice was taken.
+    """
+    libc = _libc()
+    if libc is None or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    aligned = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    length = (end - aligned) // _HUGE_PAGE * _HUGE_PAGE
+    if length <= 0:
+        return False
+    return bool(libc.madvise(aligned, length, _MADV_HUGEPAGE) == 0)
