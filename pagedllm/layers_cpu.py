@@ -22,35 +22,38 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, last]`` with unit stride along the last dimension (a view when possible)."""
+    if x.dim() == 2 and x.stride(1) == 1:  # the common case, without the cost of a reshape
+        return x
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _as_shape(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return out if like.dim() == 2 else out.view(like.shape)
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rms_norm(s), s)`` with ``s = x + residual``, or ``(rms_norm(x), None)`` without a residual."""
-    hidden = x.shape[-1]
+    rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
     x2 = _rows(x)
-    rows = x2.shape[0]
     out = torch.empty(rows, hidden, dtype=torch.float32)
-    res2 = _rows(residual) if residual is not None else None
-    res_out = torch.empty(rows, hidden, dtype=torch.float32) if residual is not None else None
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if residual is None:
+        load_library().rms_norm_f32(
+            x2.data_ptr(), x2.stride(0), None, 0, out.data_ptr(), hidden, None, hidden,
+            weight.data_ptr(), rows, hidden, eps,
+        )  # fmt: skip
+        return _as_shape(out, x), None
+    res2 = _rows(residual)
+    res_out = torch.empty(rows, hidden, dtype=torch.float32)
     load_library().rms_norm_f32(
-        x2.data_ptr(),
-        x2.stride(0),
-        res2.data_ptr() if res2 is not None else None,
-        res2.stride(0) if res2 is not None else 0,
-        out.data_ptr(),
-        hidden,
-        res_out.data_ptr() if res_out is not None else None,
-        hidden,
-        weight.contiguous().data_ptr(),
-        rows,
-        hidden,
-        eps,
-    )
-    return out.view(x.shape), (res_out.view(x.shape) if res_out is not None else None)
+        x2.data_ptr(), x2.stride(0), res2.data_ptr(), res2.stride(0), out.data_ptr(), hidden,
+        res_out.data_ptr(), hidden, weight.data_ptr(), rows, hidden, eps,
+    )  # fmt: skip
+    return _as_shape(out, x), _as_shape(res_out, x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +62,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x)
     out = torch.empty(x2.shape[0], d, dtype=torch.float32)
     load_library().silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out.data_ptr(), d, x2.shape[0], d)
-    return out.view(*x.shape[:-1], d)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], d)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -71,7 +74,10 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     t, heads, d = x.shape
     if x.stride(-1) != 1:
         raise ValueError("rotary_ needs x contiguous along head_dim.")
-    positions = positions.to(torch.int64).contiguous()
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     load_library().rotary_f32(
         x.data_ptr(),
         x.stride(0),
@@ -80,8 +86,8 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         heads,
         d,
         positions.data_ptr(),
-        cos.contiguous().data_ptr(),
-        sin.contiguous().data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
     )
     return x
 

@@ -101,6 +101,12 @@ def test_throughput_random_with_baselines(
     kv = engine["kv_cache"]
     assert 0 <= kv["waste_slots_mean_per_running_request"] <= kv["waste_slots_max_per_running_request"] < 16
     assert 0 < kv["peak_kv_cache_usage"] <= 1
+    # The engine ran before and after the baselines; the reported time is the mean of both runs.
+    runs = engine["runs"]
+    assert len(runs) == 2 and all(r["elapsed_s"] > 0 for r in runs)
+    assert engine["elapsed_s"] == pytest.approx((runs[0]["elapsed_s"] + runs[1]["elapsed_s"]) / 2)
+    assert engine["output_tokens_per_s"] == pytest.approx(engine["output_tokens"] / engine["elapsed_s"])
+    assert "before and after the baselines" in printed
 
     for name in ("hf-static", "hf-cb"):
         base = data["baselines"][name]
