@@ -210,6 +210,8 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
 }
 #endif
 
+#define PARALLEL_MIN_BYTES (256 << 10)
+
 int paged_decode_attention_f32(
     const float *q, int64_t q_stride_seq, int64_t q_stride_head,
     const float *k_cache, const float *v_cache,
@@ -224,8 +226,12 @@ int paged_decode_attention_f32(
     const int64_t block_stride = block_size * row_stride;
     /* Whole sequences per task when there are enough of them; else one KV head per task. */
     const int64_t parts = num_seqs >= 4 * omp_get_max_threads() ? 1 : num_kv_heads;
+    /* Waking the other threads costs tens of microseconds: only worth it past a few hundred KiB. */
+    int64_t total_len = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) total_len += seq_lens[s];
+    const int parallel = total_len * row_stride * 2 * (int64_t)sizeof(float) >= PARALLEL_MIN_BYTES;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel if (parallel)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * (max_seq_len > 0 ? max_seq_len : 1)));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(num_heads * head_dim));
