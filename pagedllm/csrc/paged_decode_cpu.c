@@ -17,6 +17,25 @@
 #include <string.h>
 #include <omp.h>
 
+/* Each of the ``rows`` rows of ``scores`` (``len`` floats each) replaced by its softmax. */
+static inline void softmax_rows(float *scores, int64_t rows, int64_t len)
+{
+    for (int64_t i = 0; i < rows; ++i) {
+        float *sg = scores + i * len;
+        float m = sg[0];
+        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            sg[t] = expf(sg[t] - m);
+            sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    }
+}
+
 /* Attend one sequence's query heads of KV heads [kv_begin, kv_end): scores for all of them are
  * computed from each K row in turn (rows are read whole and in memory order), then V likewise. */
 static inline __attribute__((always_inline)) void decode_seq(
@@ -42,20 +61,7 @@ static inline __attribute__((always_inline)) void decode_seq(
             }
         }
     }
-    for (int64_t i = 0; i < nh; ++i) {
-        float *sg = scores + i * len;
-        float m = sg[0];
-        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-            sg[t] = expf(sg[t] - m);
-            sum += sg[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-    }
+    softmax_rows(scores, nh, len);
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
     for (int64_t start = 0; start < len; start += block_size) {
         const float *vb = v_cache + (int64_t)table[start / block_size] * block_stride;
@@ -160,20 +166,7 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
             }
         }
     }
-    for (int64_t i = 0; i < nh; ++i) {
-        float *sg = scores + i * len;
-        float mx = sg[0];
-        for (int64_t t = 1; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-            sg[t] = expf(sg[t] - mx);
-            sum += sg[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-    }
+    softmax_rows(scores, nh, len);
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
     /* Heads per register tile: 16 accumulators at most. */
     const int64_t chunk = 16 / NV < group ? 16 / NV : group;
