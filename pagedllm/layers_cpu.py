@@ -41,19 +41,17 @@ def rms_norm(
     out = torch.empty(rows, hidden, dtype=torch.float32)
     if not weight.is_contiguous():
         weight = weight.contiguous()
-    if residual is None:
-        load_library().rms_norm_f32(
-            x2.data_ptr(), x2.stride(0), None, 0, out.data_ptr(), hidden, None, hidden,
-            weight.data_ptr(), rows, hidden, eps,
-        )  # fmt: skip
-        return _as_shape(out, x), None
-    res2 = _rows(residual)
-    res_out = torch.empty(rows, hidden, dtype=torch.float32)
+    res2 = res_out = None
+    if residual is not None:
+        res2 = _rows(residual)
+        res_out = torch.empty(rows, hidden, dtype=torch.float32)
     load_library().rms_norm_f32(
-        x2.data_ptr(), x2.stride(0), res2.data_ptr(), res2.stride(0), out.data_ptr(), hidden,
-        res_out.data_ptr(), hidden, weight.data_ptr(), rows, hidden, eps,
+        x2.data_ptr(), x2.stride(0),
+        None if res2 is None else res2.data_ptr(), 0 if res2 is None else res2.stride(0),
+        out.data_ptr(), hidden, None if res_out is None else res_out.data_ptr(), hidden,
+        weight.data_ptr(), rows, hidden, eps,
     )  # fmt: skip
-    return _as_shape(out, x), _as_shape(res_out, x)
+    return _as_shape(out, x), None if res_out is None else _as_shape(res_out, x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ region starts before the first ``add_request`` and ends when the last request fi
 KV cache allocation and a short warm-up request are outside it, for the engine and the baselines
 alike). With baselines the engine runs again after them (``--engine-after-baselines``, on by
 default) and the mean of its two times is compared with theirs: the baselines take minutes, over
-which a shared machine's speed can drift. Sampling is greedy unless ``--temperature`` is set; EOS is ignored (``--no-ignore-eos`` to
-honour it) so every request produces exactly its output length.
+which a shared machine's speed can drift. Sampling is greedy unless ``--temperature`` is set; EOS
+is ignored (``--no-ignore-eos`` to honour it) so every request produces exactly its output length.
 
 Reported: requests/s, output tokens/s, total (prompt + output) tokens/s, the ratio of the engine's
 figures to each baseline's, per-request TTFT and end-to-end latency, engine statistics (preemptions,

@@ -9,13 +9,20 @@
  * A task is one sequence (or, when there are few sequences, one KV head of one): it computes the
  * scores of all its query heads from each K row in turn, so rows are read whole and in memory
  * order, then the softmax, then the weighted sum of V rows likewise. Scores are kept whole (two
- * passes), so every K and V row is read once. head_dim 64 and 128 get specialised loops.
+ * passes), so every K and V row is read once. head_dim 64 and 128 get specialised loops; with
+ * AVX-512 they are vectorised by hand (decode_seq_avx512), other sizes and CPUs use portable loops.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+
+/* Rows of a sequence's block ``b`` that hold tokens (all but possibly the last block are full). */
+static inline int64_t block_rows(int64_t b, int64_t len, int64_t block_size)
+{
+    return len - b * block_size < block_size ? len - b * block_size : block_size;
+}
 
 /* Each of the ``rows`` rows of ``scores`` (``len`` floats each) replaced by its softmax. */
 static inline void softmax_rows(float *scores, int64_t rows, int64_t len)
@@ -48,7 +55,7 @@ static inline __attribute__((always_inline)) void decode_seq(
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t block = table[start / block_size];
         const float *kb = k_cache + block * block_stride;
-        const int64_t n = len - start < block_size ? len - start : block_size;
+        const int64_t n = block_rows(start / block_size, len, block_size);
         for (int64_t j = 0; j < n; ++j) {
             const float *kr = kb + j * row_stride;
             for (int64_t h = h_begin; h < h_end; ++h) {
@@ -65,7 +72,7 @@ static inline __attribute__((always_inline)) void decode_seq(
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
     for (int64_t start = 0; start < len; start += block_size) {
         const float *vb = v_cache + (int64_t)table[start / block_size] * block_stride;
-        const int64_t n = len - start < block_size ? len - start : block_size;
+        const int64_t n = block_rows(start / block_size, len, block_size);
         for (int64_t j = 0; j < n; ++j) {
             const float *vr = vb + j * row_stride;
             for (int64_t h = h_begin; h < h_end; ++h) {
@@ -101,17 +108,12 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16])
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 1
-#endif
-
 /* Prefetch the rows of block ``b`` of a sequence that this task reads. */
 static inline __attribute__((always_inline)) void prefetch_block(
     const float *cache, const int32_t *table, int64_t b, int64_t len, int64_t block_size, int64_t block_stride,
     int64_t row_stride, int64_t offset, int64_t width)
 {
-    const int64_t start = b * block_size;
-    const int64_t n = len - start < block_size ? len - start : block_size;
+    const int64_t n = block_rows(b, len, block_size);
     const float *rows = cache + (int64_t)table[b] * block_stride + offset;
     for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < width; d += 16) _mm_prefetch((const char *)(rows + j * row_stride + d), _MM_HINT_T0);
@@ -135,14 +137,11 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
     const int64_t nblocks = (len + block_size - 1) / block_size;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t start = b * block_size;
-        const int64_t n = len - start < block_size ? len - start : block_size;
+        const int64_t start = b * block_size, n = block_rows(b, len, block_size);
         const float *kb = k_cache + (int64_t)table[b] * block_stride + kv_begin * D;
-        /* K blocks PREFETCH_BLOCKS ahead, then the first V blocks. */
-        if (b + PREFETCH_BLOCKS < nblocks)
-            prefetch_block(k_cache, table, b + PREFETCH_BLOCKS, len, block_size, block_stride, row_stride, kv_begin * D, width);
-        else if (b + PREFETCH_BLOCKS < 2 * nblocks)
-            prefetch_block(v_cache, table, b + PREFETCH_BLOCKS - nblocks, len, block_size, block_stride, row_stride, kv_begin * D, width);
+        /* The next K block; during the last one, the first V block. */
+        prefetch_block(b + 1 < nblocks ? k_cache : v_cache, table, b + 1 < nblocks ? b + 1 : 0, len, block_size,
+                       block_stride, row_stride, kv_begin * D, width);
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t m = n - j0 < 16 ? n - j0 : 16;
             const __mmask16 mask = (__mmask16)((1u << m) - 1u);
@@ -171,11 +170,10 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
     /* Heads per register tile: 16 accumulators at most. */
     const int64_t chunk = 16 / NV < group ? 16 / NV : group;
     for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t start = b * block_size;
-        const int64_t n = len - start < block_size ? len - start : block_size;
+        const int64_t start = b * block_size, n = block_rows(b, len, block_size);
         const float *vb = v_cache + (int64_t)table[b] * block_stride + kv_begin * D;
-        if (b + PREFETCH_BLOCKS < nblocks)
-            prefetch_block(v_cache, table, b + PREFETCH_BLOCKS, len, block_size, block_stride, row_stride, kv_begin * D, width);
+        if (b + 1 < nblocks)
+            prefetch_block(v_cache, table, b + 1, len, block_size, block_stride, row_stride, kv_begin * D, width);
         for (int64_t g = kv_begin; g < kv_end; ++g) {
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += chunk) {
                 const int64_t hc = (g + 1) * group - h0 < chunk ? (g + 1) * group - h0 : chunk;

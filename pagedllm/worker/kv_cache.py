@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from pagedllm.worker.cpu_memory import advise_huge_pages
-
-logger = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -27,8 +23,7 @@ class KVCache:
         self.block_size = block_size
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.storage = torch.empty(shape, dtype=dtype, device=device)
-        if device.type == "cpu" and not advise_huge_pages(self.storage):
-            logger.debug("KV cache: transparent huge pages not available.")
+        advise_huge_pages(self.storage)  # before the first touch; a no-op off Linux/CPU
         self.storage.zero_()
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.storage[0, i], self.storage[1, i]) for i in range(num_layers)
