@@ -70,6 +70,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_cuda_graphs(config.max_num_seqs)
+        elif self.device.type == "cpu" and not config.enforce_eager:
+            self.runner.enable_native_decode()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len), self.kv

@@ -13,6 +13,7 @@ from pagedllm.attention.base import AttentionBackend, AttentionMetadata, get_att
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.stats import StepPhaseTimes
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.cpu_linear import optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
@@ -93,6 +94,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
         self.cuda_graphs: CUDAGraphRunner | None = None
+        self.native_decode: NativeDecodeLayers | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -185,6 +187,18 @@ class ModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
+    def enable_native_decode(self) -> bool:
+        """Run decode-only steps through :class:`NativeDecodeLayers` from now on, where the model,
+        device and attention backend allow it (logged either way); returns whether it is on."""
+        assert self.kv_cache is not None, "allocate the KV cache first"
+        reason = unsupported_reason(self.model, self.backend.name)
+        if reason is None:
+            self.native_decode = NativeDecodeLayers(self.model, self.kv_cache.layers)
+            logger.info("Decode-only steps run the decoder layers in one native call.")
+        else:
+            logger.info("Decode-only steps use the Python forward: %s.", reason)
+        return self.native_decode is not None
+
     # -- input preparation ------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
@@ -258,8 +272,11 @@ class ModelRunner:
             inputs = self.prepare_inputs(so)
             prepared = time.perf_counter()
             times.prepare += prepared - started
-            ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            if self.native_decode is not None and inputs.meta.is_decode_only:
+                hidden = self.native_decode(inputs.input_ids, inputs.positions, inputs.meta)
+            else:
+                ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             times.forward += time.perf_counter() - prepared
             return inputs, hidden, None
         n = len(so.scheduled)

@@ -1,0 +1,137 @@
+"""Decode-only steps of a Llama-family model on the CPU through one native call.
+
+A decode step calls some three hundred kernels (four matrix products, three elementwise kernels, a
+K/V write and the paged attention per layer); from Python each costs interpreter and dispatch time
+(and the interpreter's cache misses between kernels), which at decode batch sizes comes to a sixth
+of the step at 32 sequences and a third at 4. :class:`NativeDecodeLayers` runs
+the same kernels in the same order from C (``llama_decode_layers_f32`` in
+``pagedllm/csrc/decode_layers_cpu.c``), on the model's own weights, packed weights and KV cache, so
+its hidden states equal the Python forward's. Steps with any prompt chunk, and models it does not
+cover, take the Python forward; ``enforce_eager`` turns it off, as it does CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.model.cpu_linear import PackedLinear
+from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
+from pagedllm.native import load_library, sgemm_available
+
+
+def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str | None:
+    """Why :class:`NativeDecodeLayers` cannot run ``model``, or None when it can."""
+    if attention_backend != "cpu":
+        return f"attention backend {attention_backend!r} (needs 'cpu')"
+    if not sgemm_available():
+        return "MKL packed SGEMM unavailable"
+    if model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.device.type != "cpu":
+        return "not a float32 CPU model"
+    for layer in _decoder_layers(model):
+        linears = _linears(layer)
+        if not all(isinstance(m, PackedLinear) for m in linears):
+            return "linear layers are not MKL-packed"
+        if layer.self_attn.q_norm is not None:
+            return "q/k norms"
+        if any(m.bias is not None for m in linears[1:]):
+            return "biases outside the q/k/v projection"
+    return None
+
+
+def _decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+    assert len(layers) == len(model.layers)
+    return layers
+
+
+def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    """q/k/v, output, gate/up and down projections, in the order the layer runs them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+class NativeDecodeLayers:
+    """The decoder layers and final norm of ``model`` for steps whose every row is a decode.
+
+    Holds pointers into the model's parameters, its packed weights and ``kv_caches`` (per layer
+    ``(k, v)``, each ``[num_blocks, block_size, kv_heads, head_dim]`` contiguous): those tensors must
+    stay alive and in place for as long as this object is used.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        cfg = model.config
+        self.model = model
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.intermediate = cfg.intermediate_size
+        self.eps = float(model.norm.eps)
+        layers = _decoder_layers(model)
+        self.scale = float(layers[0].self_attn.scale)
+        self.block_size = kv_caches[0][0].shape[1]
+        rotary = model.rotary
+        if not (rotary.cos_cache.is_contiguous() and rotary.sin_cache.is_contiguous()):
+            raise ValueError("rotary tables must be contiguous.")
+        if rotary.cos_cache.dtype != torch.float32:
+            raise ValueError("rotary tables must be float32.")
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            if not t.is_contiguous():
+                raise ValueError("native decode needs contiguous weights and caches.")
+            return t.data_ptr()
+
+        fields: list[list[int | None]] = [[] for _ in range(9)]
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            qkv, o, gate_up, down = (m for m in _linears(layer) if isinstance(m, PackedLinear))
+            for i, t in enumerate(
+                (
+                    layer.input_layernorm.weight,
+                    qkv.packed,
+                    qkv.bias,
+                    o.packed,
+                    layer.post_attention_layernorm.weight,
+                    gate_up.packed,
+                    down.packed,
+                    k_cache,
+                    v_cache,
+                )
+            ):
+                fields[i].append(ptr(t))
+        flat = [p for field in fields for p in field]  # field-major, as the C side indexes them
+        self._layer_ptrs = (ctypes.c_void_p * len(flat))(*flat)
+        self._final_norm = model.norm.weight
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token (all decodes)."""
+        x = self.model.embed_tokens(input_ids)
+        rows = x.shape[0]
+        out = torch.empty(rows, self.hidden, dtype=torch.float32)
+        if rows == 0:
+            return out
+        rotary = self.model.rotary
+        # Held in locals so that any converted copy outlives the call.
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.contiguous()
+        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        rc = load_library().llama_decode_layers_f32(
+            self.num_layers, self._layer_ptrs, self._final_norm.data_ptr(),
+            x.data_ptr(), out.data_ptr(), rows, self.hidden, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.intermediate, self.eps, self.scale,
+            positions.data_ptr(), rotary.cos_cache.data_ptr(), rotary.sin_cache.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
+            meta.max_seq_len, self.block_size,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("native decode layers: out of memory for scratch buffers.")
+        return out
