@@ -90,6 +90,10 @@ static inline __attribute__((always_inline)) void decode_seq(
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+/* Blocks are prefetched this many blocks ahead, into L2: an L1 prefetch holds one of the core's
+ * few line-fill buffers until the line arrives, so a block's worth of them stalls the loads of the
+ * work in between; L2 prefetches have more requests in flight and leave the L1 to the kernel. */
+#define PREFETCH_BLOCKS 2
 
 /* Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 45 instructions
  * for 16 dot products instead of a full horizontal reduction for each). */
@@ -108,22 +112,23 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16])
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
-/* Prefetch the rows of block ``b`` of a sequence that this task reads. */
-static inline __attribute__((always_inline)) void prefetch_block(
+/* Prefetch rows [r0, r1) of block ``b`` of a sequence (only the ones holding tokens), the part of
+ * each row this task reads. */
+static inline __attribute__((always_inline)) void prefetch_rows(
     const float *cache, const int32_t *table, int64_t b, int64_t len, int64_t block_size, int64_t block_stride,
-    int64_t row_stride, int64_t offset, int64_t width)
+    int64_t row_stride, int64_t offset, int64_t width, int64_t r0, int64_t r1)
 {
     const int64_t n = block_rows(b, len, block_size);
     const float *rows = cache + (int64_t)table[b] * block_stride + offset;
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < width; d += 16) _mm_prefetch((const char *)(rows + j * row_stride + d), _MM_HINT_T0);
+    for (int64_t j = r0; j < (r1 < n ? r1 : n); ++j)
+        for (int64_t d = 0; d < width; d += 16) _mm_prefetch((const char *)(rows + j * row_stride + d), _MM_HINT_T1);
 }
 
 /* decode_seq for head_dim a multiple of 16 (64, 128) with AVX-512: scores of 16 K rows at a time
  * per query head (row products accumulated across lanes, then one sum16), and the weighted sum of
- * V rows with each head's output held in registers for a block at a time. The next block's rows
- * are prefetched while one is computed (blocks are scattered, so the hardware prefetcher cannot
- * follow them). */
+ * V rows with each head's output held in registers for a block at a time. The block
+ * PREFETCH_BLOCKS ahead is prefetched while one is computed, a share of its rows with each head or KV
+ * group (blocks are scattered, so the hardware prefetcher cannot follow them). */
 static inline __attribute__((always_inline)) void decode_seq_avx512(
     const float *q, int64_t q_stride_head, const float *k_cache, const float *v_cache,
     const int32_t *table, int64_t len, float *out, int64_t out_stride_head,
@@ -139,13 +144,18 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = b * block_size, n = block_rows(b, len, block_size);
         const float *kb = k_cache + (int64_t)table[b] * block_stride + kv_begin * D;
-        /* The next K block; during the last one, the first V block. */
-        prefetch_block(b + 1 < nblocks ? k_cache : v_cache, table, b + 1 < nblocks ? b + 1 : 0, len, block_size,
-                       block_stride, row_stride, kv_begin * D, width);
+        /* The K block ahead (near the end, the first V blocks), a share of its rows per head so that
+         * the prefetches spread over the block's work. */
+        const float *next_cache = b + PREFETCH_BLOCKS < nblocks ? k_cache : v_cache;
+        const int64_t next = b + PREFETCH_BLOCKS < nblocks ? b + PREFETCH_BLOCKS : b + PREFETCH_BLOCKS - nblocks;
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t m = n - j0 < 16 ? n - j0 : 16;
             const __mmask16 mask = (__mmask16)((1u << m) - 1u);
             for (int64_t h = h_begin; h < h_end; ++h) {
+                const int64_t i = h - h_begin;
+                if (next < nblocks)
+                    prefetch_rows(next_cache, table, next, len, block_size, block_stride, row_stride, kv_begin * D,
+                                  width, j0 + i * 16 / nh, j0 + (i + 1) * 16 / nh);
                 const float *qh = q + h * q_stride_head;
                 const float *kh = kb + (h / group - kv_begin) * D + j0 * row_stride;
                 __m512 qv[MAXV], rows[16];
@@ -172,9 +182,12 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = b * block_size, n = block_rows(b, len, block_size);
         const float *vb = v_cache + (int64_t)table[b] * block_stride + kv_begin * D;
-        if (b + 1 < nblocks)
-            prefetch_block(v_cache, table, b + 1, len, block_size, block_stride, row_stride, kv_begin * D, width);
+        const int64_t ngroups = kv_end - kv_begin;
         for (int64_t g = kv_begin; g < kv_end; ++g) {
+            if (b + PREFETCH_BLOCKS < nblocks)
+                prefetch_rows(v_cache, table, b + PREFETCH_BLOCKS, len, block_size, block_stride, row_stride,
+                              kv_begin * D, width, (g - kv_begin) * block_size / ngroups,
+                              (g - kv_begin + 1) * block_size / ngroups);
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += chunk) {
                 const int64_t hc = (g + 1) * group - h0 < chunk ? (g + 1) * group - h0 : chunk;
                 __m512 a[16];
