@@ -72,7 +72,9 @@ class BatchPlan:
 
     starts: list[int]  # first query row of each request (and the total row count last)
     decodes: object | None
-    prefill_masks: dict[int, torch.Tensor]  # request index -> [query_len, seq_len] causal mask
+    # Request index -> [query_len, seq_len] causal mask offset by the cached context; None for a
+    # chunk with no cached context (plain causal attention).
+    prefill_masks: dict[int, torch.Tensor | None]
 
 
 def _decode_group(
@@ -121,9 +123,11 @@ class TorchAttentionBackend:
         for ql in qlens:
             starts.append(starts[-1] + ql)
         decodes = [i for i, q in enumerate(qlens) if q == 1]
-        prefill_masks = {}
+        prefill_masks: dict[int, torch.Tensor | None] = {}
         for i, (ql, sl) in enumerate(zip(qlens, slens, strict=True)):
-            if ql > 1:
+            if ql > 1 and ql == sl:
+                prefill_masks[i] = None
+            elif ql > 1:
                 qpos = torch.arange(sl - ql, sl, device=device)
                 prefill_masks[i] = torch.arange(sl, device=device)[None, :] <= qpos[:, None]
         return BatchPlan(
@@ -182,13 +186,18 @@ class TorchAttentionBackend:
             k = gather_kv(k_cache, meta.block_tables[i], sl).transpose(0, 1).to(query.dtype)  # [kvh, L, d]
             v = gather_kv(v_cache, meta.block_tables[i], sl).transpose(0, 1).to(query.dtype)
             q = query[s : s + ql].transpose(0, 1)  # [H, ql, d]
-            q_per_kv = q.shape[0] // k.shape[0]
-            if q_per_kv > 1:
-                k = k.repeat_interleave(q_per_kv, dim=0)
-                v = v.repeat_interleave(q_per_kv, dim=0)
-            # An explicit causal mask offset by the cached context; on CPU this is several times
-            # faster than is_causal/enable_gqa for prefill-sized chunks.
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+            # GQA without copying K/V for each query head. A chunk after cached context needs the
+            # causal mask offset by that context; a whole prompt is plain causal, which the CPU
+            # kernel computes faster (it skips the masked half).
+            o = F.scaled_dot_product_attention(
+                q[None],
+                k[None],
+                v[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
             out[s : s + ql] = o[0].transpose(0, 1)
 
     def write_kv(
