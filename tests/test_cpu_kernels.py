@@ -19,9 +19,9 @@ from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.cpu_kernels import paged_decode_attention
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
 from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
-from pagedllm.model.cpu_linear import PackedLinear, optimize_cpu_linears, packed_sgemm_available
+from pagedllm.model.cpu_linear import PackedLinear, optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
-from pagedllm.native import kernels_available
+from pagedllm.native import kernels_available, sgemm_available
 from pagedllm.worker import cpu_memory
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
@@ -155,11 +155,11 @@ def test_choose_attention_backend() -> None:
         choose_attention_backend("cpu", cpu, torch.bfloat16)
 
 
-needs_mkl = pytest.mark.skipif(not packed_sgemm_available(), reason="torch built without MKL packing")
+needs_mkl = pytest.mark.skipif(not sgemm_available(), reason="torch built without MKL packing")
 
 
 @needs_mkl
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 65, 300])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 17, 32, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)
@@ -188,7 +188,7 @@ def test_optimize_cpu_linears_keeps_tied_weights_shared() -> None:
     ids = torch.arange(50).repeat(2)
     expected = model(ids)
     form = optimize_cpu_linears(model)
-    assert form == ("mkl-packed" if packed_sgemm_available() else "column-major")
+    assert form == ("mkl-packed" if sgemm_available() else "column-major")
     assert model.head.weight is model.embed.weight
     torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
 

@@ -130,7 +130,8 @@ def measure_gemm(
     and MKL-packed weights for
     float32 where torch has them, see :mod:`pagedllm.model.cpu_linear`); the rate is the fastest.
     """
-    from pagedllm.model.cpu_linear import PackedLinear, packed_sgemm_available
+    from pagedllm.model.cpu_linear import PackedLinear
+    from pagedllm.native import sgemm_available
 
     weights = [(torch.randn(n, k, dtype=dtype) * 0.02, c) for n, k, c in sizes.linear_shapes]
     inputs = {k: torch.randn(tokens, k, dtype=dtype) for _, k, _ in sizes.linear_shapes}
@@ -140,7 +141,7 @@ def measure_gemm(
         layer.weight.data = w
         plain.append(layer)
     methods: dict[str, list[torch.nn.Module]] = {"matmul": list(plain)}
-    if dtype == torch.float32 and packed_sgemm_available():
+    if dtype == torch.float32 and sgemm_available():
         methods["mkl-packed"] = [PackedLinear(layer) for layer in plain]
     flops = sum(2 * tokens * w.shape[0] * w.shape[1] * count for w, count in weights)
     rates: dict[str, float] = {}

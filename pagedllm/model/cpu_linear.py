@@ -23,10 +23,6 @@ from pagedllm.native import load_library, sgemm_available
 logger = logging.getLogger(__name__)
 
 
-def packed_sgemm_available() -> bool:
-    return sgemm_available()
-
-
 class PackedLinear(nn.Module):
     """``F.linear`` with the weight also held in MKL's packed layout (float32 CPU only).
 
@@ -87,7 +83,7 @@ def optimize_cpu_linears(model: nn.Module) -> str:
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32
     ]
-    if packed_sgemm_available():
+    if sgemm_available():
         for parent, name, child in linears:
             setattr(parent, name, PackedLinear(child))
         return "mkl-packed"
