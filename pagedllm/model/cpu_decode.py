@@ -54,6 +54,12 @@ def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.M
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _packed(module: nn.Module) -> PackedLinear:
+    if not isinstance(module, PackedLinear):
+        raise ValueError("native decode needs MKL-packed linear layers (see unsupported_reason).")
+    return module
+
+
 class NativeDecodeLayers:
     """The decoder layers and final norm of ``model`` for steps whose every row is a decode.
 
@@ -90,7 +96,7 @@ class NativeDecodeLayers:
 
         fields: list[list[int | None]] = [[] for _ in range(9)]
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            qkv, o, gate_up, down = (m for m in _linears(layer) if isinstance(m, PackedLinear))
+            qkv, o, gate_up, down = (_packed(m) for m in _linears(layer))
             for i, t in enumerate(
                 (
                     layer.input_layernorm.weight,

@@ -13,14 +13,10 @@ batches.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from pagedllm.native import load_library, sgemm_available
-
-logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):

@@ -187,9 +187,9 @@ class ModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
-    def enable_native_decode(self) -> bool:
+    def enable_native_decode(self) -> None:
         """Run decode-only steps through :class:`NativeDecodeLayers` from now on, where the model,
-        device and attention backend allow it (logged either way); returns whether it is on."""
+        device and attention backend allow it (logged either way)."""
         assert self.kv_cache is not None, "allocate the KV cache first"
         reason = unsupported_reason(self.model, self.backend.name)
         if reason is None:
@@ -197,7 +197,6 @@ class ModelRunner:
             logger.info("Decode-only steps run the decoder layers in one native call.")
         else:
             logger.info("Decode-only steps use the Python forward: %s.", reason)
-        return self.native_decode is not None
 
     # -- input preparation ------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
