@@ -47,10 +47,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "silu_and_mul_f32": [_PTR, _I64, _PTR, _I64, _I64, _I64],
     "rotary_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "max_logsumexp_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
-    "set_sgemm_functions": [_PTR, _PTR, _PTR],
-    "packed_weight_bytes": [_I64, _I64],
-    "pack_weight_f32": [_PTR, _I64, _I64, _PTR],
-    "packed_linear_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "panel_weight_floats": [_I64, _I64],
+    "pack_panels_f32": [_PTR, _I64, _I64, _PTR],
+    "panel_linear_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
     "llama_decode_layers_f32": [_I64, _PTR, _PTR, _PTR, _PTR]
     + [_I64] * 6
     + [_F32, _F32]
@@ -60,11 +59,8 @@ _SIGNATURES: dict[str, list[Any]] = {
 _RETURNS: dict[str, Any] = {
     "paged_decode_attention_f32": ctypes.c_int,
     "llama_decode_layers_f32": ctypes.c_int,
-    "packed_weight_bytes": ctypes.c_int64,
+    "panel_weight_floats": ctypes.c_int64,
 }
-# MKL's packed-SGEMM entry points, taken from the copy of MKL inside torch's CPU library.
-_SGEMM_SYMBOLS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
-
 
 class KernelBuildError(RuntimeError):
     pass
@@ -132,26 +128,4 @@ def kernels_available() -> bool:
     except (KernelBuildError, OSError) as exc:
         logger.warning("Native CPU kernels unavailable, using torch code instead: %s", exc)
         return False
-    return True
-
-
-@functools.cache
-def sgemm_available() -> bool:
-    """Whether the kernel library can run MKL's packed SGEMM (``packed_linear_f32`` and the native
-    decode layers): torch is built with MKL and its CPU library exports the packed-SGEMM functions,
-    which are then handed to the kernel library (once per process)."""
-    if not torch.backends.mkl.is_available() or not kernels_available():
-        return False
-    path = (
-        Path(torch.__file__).parent
-        / "lib"
-        / f"libtorch_cpu{'.dylib' if platform.system() == 'Darwin' else '.so'}"
-    )
-    try:
-        mkl = ctypes.CDLL(str(path))
-        functions = [ctypes.cast(getattr(mkl, name), ctypes.c_void_p).value for name in _SGEMM_SYMBOLS]
-    except (OSError, AttributeError) as exc:
-        logger.info("MKL packed SGEMM not reachable from torch's library: %s", exc)
-        return False
-    load_library().set_sgemm_functions(*functions)
     return True

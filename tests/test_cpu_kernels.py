@@ -1,5 +1,5 @@
 """The native CPU kernels (paged decode attention, RMSNorm, SiLU-and-mul, rotary), the CPU attention
-backend, the torch backend's length-grouped decodes and the MKL-packed linear layers, against naive
+backend, the torch backend's length-grouped decodes and the panel-weight linear layers, against naive
 references."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.cpu_kernels import paged_decode_attention
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
 from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
-from pagedllm.model.cpu_linear import PackedLinear, optimize_cpu_linears
+from pagedllm.model.cpu_linear import PanelLinear, optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
-from pagedllm.native import kernels_available, sgemm_available
+from pagedllm.native import kernels_available
 from pagedllm.worker import cpu_memory
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
@@ -155,21 +155,31 @@ def test_choose_attention_backend() -> None:
         choose_attention_backend("cpu", cpu, torch.bfloat16)
 
 
-needs_mkl = pytest.mark.skipif(not sgemm_available(), reason="torch built without MKL packing")
-
-
-@needs_mkl
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 17, 32, 65, 300])
+@needs_kernels
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 12, 13, 17, 32, 65, 300, 400])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+def test_panel_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    # 200 outputs: six full panels and a last one of 8 columns; 400 rows cross a row-block boundary.
     torch.manual_seed(rows)
-    linear = nn.Linear(96, 200, bias=bias)
-    packed = PackedLinear(linear)
-    x = torch.randn(rows, 96)
-    torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    linear = nn.Linear(97, 200, bias=bias)
+    panel = PanelLinear(linear)
+    x = torch.randn(rows, 97)
+    torch.testing.assert_close(panel(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
     # Non-contiguous and 3-D inputs.
-    x3 = torch.randn(2, rows, 192)[:, :, ::2]
-    torch.testing.assert_close(packed(x3), F.linear(x3, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(2, rows, 194)[:, :, ::2]
+    torch.testing.assert_close(panel(x3), F.linear(x3, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_panel_linear_row_does_not_depend_on_batch() -> None:
+    torch.manual_seed(0)
+    panel = PanelLinear(nn.Linear(576, 960))
+    x = torch.randn(45, 576)
+    together = panel(x)
+    for rows in (range(1), range(7, 20), range(44, 45)):
+        assert torch.equal(panel(x[rows.start : rows.stop]), together[rows.start : rows.stop])
+    with pytest.raises(TypeError, match="float32"):
+        panel(x.double())
 
 
 def test_optimize_cpu_linears_keeps_tied_weights_shared() -> None:
@@ -188,7 +198,7 @@ def test_optimize_cpu_linears_keeps_tied_weights_shared() -> None:
     ids = torch.arange(50).repeat(2)
     expected = model(ids)
     form = optimize_cpu_linears(model)
-    assert form == ("mkl-packed" if sgemm_available() else "column-major")
+    assert form == ("panels" if kernels_available() else "column-major")
     assert model.head.weight is model.embed.weight
     torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
 

@@ -117,6 +117,28 @@ def _best_time(fn: Any, repeats: int, min_time_s: float) -> float:
     return best
 
 
+class _MklPackedLinear(torch.nn.Module):
+    """``x @ W.T`` with W pre-packed by MKL for ``rows``-row products, through ``torch.ops.mkl``."""
+
+    def __init__(self, linear: torch.nn.Linear, rows: int) -> None:
+        super().__init__()
+        self.weight = linear.weight.detach()
+        self.rows = rows
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+
+    @staticmethod
+    def available() -> bool:
+        ops = getattr(torch.ops, "mkl", None)
+        return (
+            torch.backends.mkl.is_available()
+            and hasattr(ops, "_mkl_reorder_linear_weight")
+            and hasattr(ops, "_mkl_linear")
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, self.rows)
+
+
 def measure_gemm(
     sizes: ModelSizes,
     tokens: int,
@@ -126,12 +148,14 @@ def measure_gemm(
 ) -> dict[str, Any]:
     """FLOP rate of one forward pass's linear layers for ``tokens`` rows, on the model's shapes.
 
-    Each way of multiplying the engine can use is timed (a plain ``F.linear``, reported as ``matmul``,
-    and MKL-packed weights for
-    float32 where torch has them, see :mod:`pagedllm.model.cpu_linear`); the rate is the fastest.
+    Each way of multiplying available here is timed: a plain ``F.linear`` (reported as ``matmul``),
+    MKL-packed weights through ``torch.ops.mkl`` where torch has them, and for float32 the kernel
+    library's panel weights the engine uses (:mod:`pagedllm.model.cpu_linear`); the rate is the
+    fastest. Each layer is timed on its own, repeatedly, so its weight is cache-hot: an upper bound
+    on the rate of a forward pass, which reads each weight once.
     """
-    from pagedllm.model.cpu_linear import PackedLinear
-    from pagedllm.native import sgemm_available
+    from pagedllm.model.cpu_linear import PanelLinear
+    from pagedllm.native import kernels_available
 
     weights = [(torch.randn(n, k, dtype=dtype) * 0.02, c) for n, k, c in sizes.linear_shapes]
     inputs = {k: torch.randn(tokens, k, dtype=dtype) for _, k, _ in sizes.linear_shapes}
@@ -141,8 +165,10 @@ def measure_gemm(
         layer.weight.data = w
         plain.append(layer)
     methods: dict[str, list[torch.nn.Module]] = {"matmul": list(plain)}
-    if dtype == torch.float32 and sgemm_available():
-        methods["mkl-packed"] = [PackedLinear(layer) for layer in plain]
+    if dtype == torch.float32 and _MklPackedLinear.available():
+        methods["mkl-packed"] = [_MklPackedLinear(layer, tokens) for layer in plain]
+    if dtype == torch.float32 and kernels_available():
+        methods["panels"] = [PanelLinear(layer) for layer in plain]
     flops = sum(2 * tokens * w.shape[0] * w.shape[1] * count for w, count in weights)
     rates: dict[str, float] = {}
     for name, layers in methods.items():

@@ -3,32 +3,15 @@
  * native call: per layer RMSNorm (+ residual), the fused q/k/v projection, rotary embedding, K/V
  * written to the paged cache, paged attention, the output projection, RMSNorm (+ residual), the
  * fused gate/up projection, SiLU-and-mul and the down projection; then the final RMSNorm. Every
- * step is the same kernel the Python forward calls (this library's elementwise and attention
- * kernels, MKL's packed SGEMM), in the same order, so the two paths give the same numbers; this
+ * step is the same kernel the Python forward calls (this library's elementwise, attention and
+ * panel-weight product kernels), in the same order, so the two paths give the same numbers; this
  * one saves the interpreter and dispatch cost of some three hundred calls per step.
- *
- * Matrix products use MKL's packed-weight SGEMM (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``).
- * The library does not link MKL: the functions are handed over once by ``set_sgemm_functions``
- * from the copy torch has loaded, so packing and products run on torch's MKL and thread pool.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* CBLAS constants (cblas.h / mkl_cblas.h). */
-enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, PACKED = 151, B_MATRIX = 162 };
-
-typedef size_t (*pack_get_size_fn)(int identifier, int m, int n, int k);
-typedef void (*pack_fn)(int layout, int identifier, int trans, int m, int n, int k, float alpha,
-                        const float *src, int ld, float *dest);
-typedef void (*compute_fn)(int layout, int transa, int transb, int m, int n, int k, const float *a,
-                           int lda, const float *b, int ldb, float beta, float *c, int ldc);
-
-static pack_get_size_fn sgemm_pack_get_size;
-static pack_fn sgemm_pack;
-static compute_fn sgemm_compute;
-
-/* The kernels of this library the layer loop calls (elementwise_cpu.c, paged_decode_cpu.c). */
+/* The kernels of this library the layer loop calls (elementwise_cpu.c, paged_decode_cpu.c, linear_cpu.c). */
 void rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64_t res_stride,
                   float *out, int64_t out_stride, float *res_out, int64_t res_out_stride,
                   const float *weight, int64_t rows, int64_t hidden, float eps);
@@ -40,38 +23,8 @@ int paged_decode_attention_f32(
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
     int64_t out_stride_seq, int64_t out_stride_head, int64_t num_seqs, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_seq_len, float scale);
-
-void set_sgemm_functions(void *pack_get_size, void *pack, void *compute)
-{
-    sgemm_pack_get_size = (pack_get_size_fn)pack_get_size;
-    sgemm_pack = (pack_fn)pack;
-    sgemm_compute = (compute_fn)compute;
-}
-
-/* Bytes of the packed form of an [n, k] weight (0 before set_sgemm_functions). */
-int64_t packed_weight_bytes(int64_t n, int64_t k)
-{
-    return sgemm_pack_get_size ? (int64_t)sgemm_pack_get_size(B_MATRIX, 32, (int)n, (int)k) : 0;
-}
-
-/* Pack ``weight`` [n, k] (row-major, as nn.Linear stores it) as the B operand of x @ weight^T. */
-void pack_weight_f32(const float *weight, int64_t n, int64_t k, float *packed)
-{
-    sgemm_pack(ROW_MAJOR, B_MATRIX, TRANS, 32, (int)n, (int)k, 1.0f, weight, (int)k, packed);
-}
-
-/* out[m, n] (row stride ldo) = x[m, k] (row stride ldx) @ weight^T (+ bias), weight packed. */
-void packed_linear_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *out,
-                       int64_t ldo, int64_t m, int64_t n, int64_t k)
-{
-    float beta = 0.0f;
-    if (bias != NULL) {
-        for (int64_t r = 0; r < m; ++r) memcpy(out + r * ldo, bias, sizeof(float) * (size_t)n);
-        beta = 1.0f;
-    }
-    sgemm_compute(ROW_MAJOR, NO_TRANS, PACKED, (int)m, (int)n, (int)k, x, (int)ldx, packed, (int)k, beta, out,
-                  (int)ldo);
-}
+void panel_linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *out,
+                      int64_t ldo, int64_t m, int64_t n, int64_t k);
 
 /* Per-layer pointers, ``num_layers`` of each, in this order in ``layer_ptrs``. */
 enum { P_LN1, P_QKV, P_QKV_BIAS, P_O, P_LN2, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, NUM_P };
@@ -109,7 +62,7 @@ int llama_decode_layers_f32(
         } else { /* residual += x; h = norm(residual) */
             rms_norm_f32(x, hidden, residual, hidden, h, hidden, residual, hidden, ln1, rows, hidden, eps);
         }
-        packed_linear_f32(h, hidden, PTR(P_QKV), PTR(P_QKV_BIAS), qkv, qkv_size, rows, qkv_size, hidden);
+        panel_linear_f32(h, hidden, PTR(P_QKV), PTR(P_QKV_BIAS), qkv, qkv_size, rows, qkv_size, hidden);
         /* q and k heads are adjacent: rotate them in one pass. */
         rotary_f32(qkv, qkv_size, head_dim, rows, num_heads + num_kv_heads, head_dim, positions, cos_cache, sin_cache);
         for (int64_t r = 0; r < rows; ++r) {
@@ -121,11 +74,11 @@ int llama_decode_layers_f32(
         rc = paged_decode_attention_f32(qkv, qkv_size, head_dim, k_cache, v_cache, block_tables, table_stride,
                                         seq_lens, attn, q_size, head_dim, rows, num_heads, num_kv_heads, head_dim,
                                         block_size, max_seq_len, scale);
-        packed_linear_f32(attn, q_size, PTR(P_O), NULL, x, hidden, rows, hidden, q_size);
+        panel_linear_f32(attn, q_size, PTR(P_O), NULL, x, hidden, rows, hidden, q_size);
         rms_norm_f32(x, hidden, residual, hidden, h, hidden, residual, hidden, ln2, rows, hidden, eps);
-        packed_linear_f32(h, hidden, PTR(P_GATE_UP), NULL, gate_up, 2 * intermediate, rows, 2 * intermediate, hidden);
+        panel_linear_f32(h, hidden, PTR(P_GATE_UP), NULL, gate_up, 2 * intermediate, rows, 2 * intermediate, hidden);
         silu_and_mul_f32(gate_up, 2 * intermediate, act, intermediate, rows, intermediate);
-        packed_linear_f32(act, intermediate, PTR(P_DOWN), NULL, x, hidden, rows, hidden, intermediate);
+        panel_linear_f32(act, intermediate, PTR(P_DOWN), NULL, x, hidden, rows, hidden, intermediate);
 #undef PTR
     }
     if (rc == 0) rms_norm_f32(x, hidden, residual, hidden, out, hidden, residual, hidden, final_norm, rows, hidden, eps);

@@ -5,7 +5,7 @@ K/V write and the paged attention per layer); from Python each costs interpreter
 (and the interpreter's cache misses between kernels), which at decode batch sizes comes to a sixth
 of the step at 32 sequences and a third at 4. :class:`NativeDecodeLayers` runs
 the same kernels in the same order from C (``llama_decode_layers_f32`` in
-``pagedllm/csrc/decode_layers_cpu.c``), on the model's own weights, packed weights and KV cache, so
+``pagedllm/csrc/decode_layers_cpu.c``), on the model's own weights, panel weights and KV cache, so
 its hidden states equal the Python forward's. Steps with any prompt chunk, and models it does not
 cover, take the Python forward; ``enforce_eager`` turns it off, as it does CUDA graphs.
 """
@@ -18,23 +18,23 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.model.cpu_linear import PackedLinear
+from pagedllm.model.cpu_linear import PanelLinear
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
-from pagedllm.native import load_library, sgemm_available
+from pagedllm.native import kernels_available, load_library
 
 
 def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str | None:
     """Why :class:`NativeDecodeLayers` cannot run ``model``, or None when it can."""
     if attention_backend != "cpu":
         return f"attention backend {attention_backend!r} (needs 'cpu')"
-    if not sgemm_available():
-        return "MKL packed SGEMM unavailable"
+    if not kernels_available():
+        return "native kernels unavailable"
     if model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.device.type != "cpu":
         return "not a float32 CPU model"
     for layer in _decoder_layers(model):
         linears = _linears(layer)
-        if not all(isinstance(m, PackedLinear) for m in linears):
-            return "linear layers are not MKL-packed"
+        if not all(isinstance(m, PanelLinear) for m in linears):
+            return "linear layers are not in panel form"
         if layer.self_attn.q_norm is not None:
             return "q/k norms"
         if any(m.bias is not None for m in linears[1:]):
@@ -54,16 +54,16 @@ def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.M
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def _packed(module: nn.Module) -> PackedLinear:
-    if not isinstance(module, PackedLinear):
-        raise ValueError("native decode needs MKL-packed linear layers (see unsupported_reason).")
+def _panels(module: nn.Module) -> PanelLinear:
+    if not isinstance(module, PanelLinear):
+        raise ValueError("native decode needs linear layers in panel form (see unsupported_reason).")
     return module
 
 
 class NativeDecodeLayers:
     """The decoder layers and final norm of ``model`` for steps whose every row is a decode.
 
-    Holds pointers into the model's parameters, its packed weights and ``kv_caches`` (per layer
+    Holds pointers into the model's parameters, its panel weights and ``kv_caches`` (per layer
     ``(k, v)``, each ``[num_blocks, block_size, kv_heads, head_dim]`` contiguous): those tensors must
     stay alive and in place for as long as this object is used.
     """
@@ -96,16 +96,16 @@ class NativeDecodeLayers:
 
         fields: list[list[int | None]] = [[] for _ in range(9)]
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            qkv, o, gate_up, down = (_packed(m) for m in _linears(layer))
+            qkv, o, gate_up, down = (_panels(m) for m in _linears(layer))
             for i, t in enumerate(
                 (
                     layer.input_layernorm.weight,
-                    qkv.packed,
+                    qkv.panels,
                     qkv.bias,
-                    o.packed,
+                    o.panels,
                     layer.post_attention_layernorm.weight,
-                    gate_up.packed,
-                    down.packed,
+                    gate_up.panels,
+                    down.panels,
                     k_cache,
                     v_cache,
                 )

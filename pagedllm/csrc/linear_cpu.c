@@ -1,0 +1,140 @@
+/*
+ * Matrix products of the linear layers, float32: out[m, n] = x[m, k] @ weight[n, k]^T (+ bias).
+ *
+ * The weight is stored once, at load time, as column panels: panel j holds output columns
+ * [32j, 32j + 32) as ``k`` rows of 32 contiguous floats (``panels[(j * k + kk) * 32 + c] =
+ * weight[32j + c, kk]``, zero past ``n``). A product walks the panels; for each it keeps a tile of up
+ * to MR_MAX rows x 32 columns of ``out`` in vector registers over the whole ``k`` loop (one panel
+ * row and one broadcast ``x`` value feed 2 * MR_MAX fused multiply-adds), then the next rows reuse
+ * the panel from cache. While the first row tile of panel j runs, panel j + 1 is prefetched into the
+ * L2 cache line by line, so streaming the weights from memory overlaps the arithmetic: in a decode
+ * step every weight is read once per step and few rows use it, the regime where a BLAS that waits on
+ * each cache miss loses a third of its time. Rows are taken MC at a time so a prefill's x block stays
+ * in cache while the panels pass.
+ *
+ * Each thread owns a contiguous range of panels (output columns), so threads never write the same
+ * memory, and each output element is the sum over k in order 0..k-1 whatever the number of rows or
+ * their grouping into tiles: a row's result does not depend on the batch it is in.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NR 32 /* panel width: output columns per panel (two 16-float vectors) */
+#if defined(__AVX512F__)
+#define MR_MAX 12 /* 24 accumulators of the 32 vector registers */
+#else
+#define MR_MAX 4 /* 16 registers: 2 x 4 accumulators of two 256-bit halves each */
+#endif
+#define MC 384 /* rows per pass over the panels */
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+/* Floats in the panel form of an [n, k] weight. */
+int64_t panel_weight_floats(int64_t n, int64_t k)
+{
+    return (n + NR - 1) / NR * NR * k;
+}
+
+/* Store ``weight`` [n, k] (row-major, as nn.Linear holds it) as panels (see the top of the file). */
+void pack_panels_f32(const float *weight, int64_t n, int64_t k, float *panels)
+{
+    const int64_t num_panels = (n + NR - 1) / NR;
+#pragma omp parallel for
+    for (int64_t j = 0; j < num_panels; ++j) {
+        float *dst = panels + j * k * NR;
+        for (int64_t kk = 0; kk < k; ++kk)
+            for (int64_t c = 0; c < NR; ++c) {
+                const int64_t col = j * NR + c;
+                dst[kk * NR + c] = col < n ? weight[col * k + kk] : 0.0f;
+            }
+    }
+}
+
+/* One tile: rows [0, MR) of x times one panel into out[:, 0:ncols]; prefetches ``next`` if given. */
+static inline __attribute__((always_inline)) void tile(
+    const int MR, const float *restrict x, int64_t ldx, const float *restrict panel, int64_t k,
+    const float *restrict bias, float *restrict out, int64_t ldo, int ncols, const float *next)
+{
+    v16 acc0[MR_MAX], acc1[MR_MAX];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+        acc0[i] = (v16){0};
+        acc1[i] = (v16){0};
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+        const v16 b0 = *(const v16 *)(panel + kk * NR), b1 = *(const v16 *)(panel + kk * NR + 16);
+        if (next) {
+            __builtin_prefetch(next + kk * NR, 0, 2);
+            __builtin_prefetch(next + kk * NR + 16, 0, 2);
+        }
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; ++i) {
+            const float a = x[i * ldx + kk];
+            acc0[i] += a * b0;
+            acc1[i] += a * b1;
+        }
+    }
+    float bias_cols[NR] = {0};
+    if (bias) memcpy(bias_cols, bias, sizeof(float) * (size_t)ncols);
+    const v16 bias0 = *(const v16 *)bias_cols, bias1 = *(const v16 *)(bias_cols + 16);
+    if (ncols == NR) {
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; ++i) {
+            *(v16 *)(out + i * ldo) = acc0[i] + bias0;
+            *(v16 *)(out + i * ldo + 16) = acc1[i] + bias1;
+        }
+    } else { /* the last panel of a weight whose n is not a multiple of NR */
+        for (int i = 0; i < MR; ++i) {
+            float row[NR];
+            *(v16 *)row = acc0[i] + bias0;
+            *(v16 *)(row + 16) = acc1[i] + bias1;
+            memcpy(out + i * ldo, row, sizeof(float) * (size_t)ncols);
+        }
+    }
+}
+
+#define TILE_CASE(R) \
+    case R: tile(R, x, ldx, panel, k, bias, out, ldo, ncols, next); break;
+
+/* ``tile`` with the row count a compile-time constant, so the accumulators live in registers. */
+static void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t k, const float *bias,
+                      float *out, int64_t ldo, int ncols, const float *next)
+{
+    switch (rows) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+#if MR_MAX > 4
+        TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+#endif
+        default: break;
+    }
+}
+
+/* out[m, n] (row stride ldo) = x[m, k] (row stride ldx) @ weight^T (+ bias[n]), weight as panels. */
+void panel_linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *out,
+                      int64_t ldo, int64_t m, int64_t n, int64_t k)
+{
+    const int64_t num_panels = (n + NR - 1) / NR;
+    if (m <= 0 || num_panels == 0) return;
+#pragma omp parallel if (m * n * k >= 32768)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t j0 = num_panels * t / nt, j1 = num_panels * (t + 1) / nt;
+        for (int64_t r = 0; r < m; r += MC) {
+            const int64_t rows = m - r < MC ? m - r : MC;
+            const int64_t tiles = (rows + MR_MAX - 1) / MR_MAX; /* of balanced sizes */
+            for (int64_t j = j0; j < j1; ++j) {
+                const float *panel = panels + j * k * NR;
+                const float *next = j + 1 < j1 ? panel + k * NR : NULL;
+                const int ncols = (int)(n - j * NR < NR ? n - j * NR : NR);
+                const float *b = bias ? bias + j * NR : NULL;
+                for (int64_t i = 0, r0 = 0; i < tiles; ++i) {
+                    const int64_t r1 = rows * (i + 1) / tiles;
+                    tile_rows((int)(r1 - r0), x + (r + r0) * ldx, ldx, panel, k, b, out + (r + r0) * ldo + j * NR,
+                              ldo, ncols, i == 0 ? next : NULL);
+                    r0 = r1;
+                }
+            }
+        }
+    }
+}
