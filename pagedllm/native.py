@@ -62,6 +62,7 @@ _RETURNS: dict[str, Any] = {
     "panel_weight_floats": ctypes.c_int64,
 }
 
+
 class KernelBuildError(RuntimeError):
     pass
 

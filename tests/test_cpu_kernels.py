@@ -19,6 +19,7 @@ from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.cpu_kernels import paged_decode_attention
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
 from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
+from pagedllm.model import cpu_linear
 from pagedllm.model.cpu_linear import PanelLinear, optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.native import kernels_available
@@ -158,8 +159,14 @@ def test_choose_attention_backend() -> None:
 @needs_kernels
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 12, 13, 17, 32, 65, 300, 400])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_matches_f_linear(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("panels_only", [False, True])
+def test_panel_linear_matches_f_linear(
+    rows: int, bias: bool, panels_only: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # 200 outputs: six full panels and a last one of 8 columns; 400 rows cross a row-block boundary.
+    # ``panels_only`` runs the panel kernel at every row count (as the native decode layers do).
+    if panels_only:
+        monkeypatch.setattr(cpu_linear, "PANEL_MAX_ROWS", 1 << 30)
     torch.manual_seed(rows)
     linear = nn.Linear(97, 200, bias=bias)
     panel = PanelLinear(linear)

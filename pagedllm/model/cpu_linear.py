@@ -4,19 +4,24 @@ A decode step multiplies a few dozen rows by every weight matrix, and the weight
 for the default model in float32) stream from memory once per step. :class:`PanelLinear` keeps each
 weight in the kernel library's panel layout (``pagedllm/csrc/linear_cpu.c``), whose product
 prefetches the next panel while it computes on the current one; on the default model's layers, read
-cold as a decode step reads them, it is 1.2-1.5x faster than MKL (plain or packed) at 8-64 rows and
-as fast at prefill sizes. The Python forward and the native decode layers
-(:mod:`pagedllm.model.cpu_decode`) share the one panel copy and give the same results. Where the
-library cannot be built, weights are stored column-major instead, the next best layout for small
-batches.
+cold as a decode step reads them, it is 1.2-1.5x faster than MKL (plain or packed) at 8-64 rows.
+Prompt chunks of more rows go to MKL on the original weights, which is faster there. The Python
+forward and the native decode layers (:mod:`pagedllm.model.cpu_decode`) share the one panel copy and
+give the same results. Where the library cannot be built, weights are stored column-major instead,
+the next best layout for small batches.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.native import kernels_available, load_library
+
+# Above this many rows (prompt chunks) MKL on the original weights is faster: each weight is read
+# once for many rows, so streaming it costs little, and MKL's blocking for large products is better.
+PANEL_MAX_ROWS = 256
 
 
 class PanelLinear(nn.Module):
@@ -24,7 +29,8 @@ class PanelLinear(nn.Module):
 
     ``weight`` and ``bias`` are the original parameters (shared, not copied: a tied LM head keeps
     pointing at the embedding table); ``panels`` is derived from ``weight`` once, so the weight must
-    not change afterwards. A row's output does not depend on the other rows of the batch.
+    not change afterwards. Products of at most :data:`PANEL_MAX_ROWS` rows use the panels, larger
+    ones ``F.linear``; within the panel range a row's output does not depend on the other rows.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -52,6 +58,8 @@ class PanelLinear(nn.Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         if x2.dtype != torch.float32:
             raise TypeError(f"PanelLinear takes float32 inputs, got {x2.dtype}.")
+        if x2.shape[0] > PANEL_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
         if x2.stride(-1) != 1 or x2.stride(0) < k:
             x2 = x2.contiguous()
         rows = x2.shape[0]
