@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import cached_checkpoint
 
-from pagedllm.bench import baselines
+from pagedllm.bench import baselines, roofline, throughput
 from pagedllm.bench.common import distribution
 from pagedllm.bench.serve import RequestResult, arrival_offsets, parse_slo, summarize
 from pagedllm.bench.workloads import parse_range, prefix_workload, random_workload
@@ -125,6 +125,28 @@ def test_throughput_random_with_baselines(
     assert roof["compute_floor_s"] == pytest.approx(roof["gemm_floor_s"] + roof["attention_floor_s"])
     assert roof["attention_floor_s"] > 0
     assert roof["fraction_of_roofline"] == pytest.approx(roof["time_floor_s"] / engine["elapsed_s"])
+
+
+def test_throughput_measures_roofline_in_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[str] = []
+
+    def small_roofline(config: Any, name: str, dtype: str) -> dict[str, Any]:
+        measured.append(dtype)  # the real measurement, at fewer row counts and a smaller copy
+        return roofline.measure_roofline(config, name, dtype, (1, 8), 16, 1)
+
+    monkeypatch.setattr(throughput, "measure_roofline", small_roofline)
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", *TINY_WORKLOAD, *TINY_ENGINE, "--no-warmup", "--measure-roofline"]
+    assert main([*argv, "--output-json", str(out)]) == 0
+    assert measured == ["float32"]
+    roof = _read(out)["roofline"]
+    assert roof["source"] == "measured in this run"
+    assert roof["fraction_of_roofline"] == pytest.approx(
+        roof["time_floor_s"] / _read(out)["engine"]["elapsed_s"]
+    )
+    # A file and a measurement at once is refused before anything runs.
+    assert main([*argv, "--roofline-json", str(out)]) == 2
+    assert measured == ["float32"]
 
 
 def test_throughput_prefix_compare_caching(tmp_path: Path) -> None:

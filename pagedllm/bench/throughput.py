@@ -38,7 +38,7 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.roofline import load_roofline, workload_floor
+from pagedllm.bench.roofline import load_roofline, measure_roofline, workload_floor
 from pagedllm.bench.workloads import BenchRequest, Workload, add_workload_args, build_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -277,6 +277,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="A 'pagedllm bench roofline --output-json' file: report throughput as a fraction of its floors.",
     )
+    group.add_argument(
+        "--measure-roofline",
+        action="store_true",
+        help="Measure the roofline (as 'pagedllm bench roofline' does) in this run, just before the "
+        "engine's timed run, and report throughput as a fraction of it: on a shared machine whose speed "
+        "drifts, the two measurements then see the same conditions.",
+    )
     group = parser.add_argument_group("run")
     group.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's default)."
@@ -328,6 +335,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.temperature < 0:
             raise ValueError(f"--temperature must be non-negative, got {args.temperature}.")
         config = EngineConfig.from_cli_args(args)
+        if args.roofline_json and args.measure_roofline:
+            raise ValueError("give --roofline-json or --measure-roofline, not both.")
         roofline = load_roofline(args.roofline_json) if args.roofline_json else None
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
@@ -356,6 +365,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     model_name = engine.model_name
     eos_ids = list(engine.eos_token_ids)
+    if args.measure_roofline:
+        dtype_name = str(engine.runner.dtype).removeprefix("torch.")
+        roofline = measure_roofline(engine.model_config, model_name, dtype_name)
+        roofline["machine"] = machine_info()
     main_run = run_engine(
         engine, workload, args.temperature, args.ignore_eos, args.warmup, args.prime_prefix_cache
     )
@@ -464,7 +477,7 @@ def _run(args: argparse.Namespace) -> int:
                 "(taken under other load, or too few --gemm-tokens row counts measured)"
             )
         roofline_section = {
-            "source": args.roofline_json,
+            "source": args.roofline_json or "measured in this run",
             **floor,
             "fraction_of_roofline": fraction,
             "total_tokens_per_s_fraction_of_ceiling": ratio(
