@@ -141,6 +141,8 @@ def test_throughput_measures_roofline_in_the_run(tmp_path: Path, monkeypatch: py
     assert measured == ["float32"]
     roof = _read(out)["roofline"]
     assert roof["source"] == "measured in this run"
+    assert [g["tokens"] for g in roof["measured"]["gemm"]] == [1, 8]
+    assert roof["measured"]["memory_bandwidth_bytes_per_s"] > 0
     assert roof["fraction_of_roofline"] == pytest.approx(
         roof["time_floor_s"] / _read(out)["engine"]["elapsed_s"]
     )

@@ -485,6 +485,11 @@ def _run(args: argparse.Namespace) -> int:
             ),
             "warnings": warnings,
         }
+        if args.measure_roofline:
+            roofline_section["measured"] = {
+                "gemm": roofline["gemm"],
+                "memory_bandwidth_bytes_per_s": roofline["memory_bandwidth_bytes_per_s"],
+            }
 
     _print_report(systems, baseline_results, ratios, prefix_comparison, roofline_section)
     if args.output_json:
