@@ -43,6 +43,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "paged_decode_attention_f32": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64]
     + [_I64] * 6
     + [_F32],
+    "paged_prefill_attention_f32": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64]
+    + [_I64] * 5
+    + [_F32],
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32],
     "silu_and_mul_f32": [_PTR, _I64, _PTR, _I64, _I64, _I64],
     "rotary_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
@@ -58,6 +61,7 @@ _SIGNATURES: dict[str, list[Any]] = {
 }
 _RETURNS: dict[str, Any] = {
     "paged_decode_attention_f32": ctypes.c_int,
+    "paged_prefill_attention_f32": ctypes.c_int,
     "llama_decode_layers_f32": ctypes.c_int,
     "panel_weight_floats": ctypes.c_int64,
 }

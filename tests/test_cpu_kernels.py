@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm import layers_cpu
 from pagedllm.attention.base import choose_attention_backend
 from pagedllm.attention.cpu_backend import CPUAttentionBackend
-from pagedllm.attention.cpu_kernels import paged_decode_attention
+from pagedllm.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
 from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
 from pagedllm.model import cpu_linear
@@ -94,6 +94,45 @@ def test_cpu_backend_mixed_batch(group: int) -> None:
     out = CPUAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
     n = sum(q for q, _ in MIXED)
     assert_close(out[:n], reference_attention(batch)[:n], torch.float32)
+
+
+# Prompt chunks for the native prefill kernel: longer than its 64-token query blocks, cached context
+# that ends mid-block, two-token chunks, a whole prompt, decodes between them.
+PREFILL_CHUNKS = [(150, 150), (2, 35), (1, 60), (70, 200), (13, 13), (65, 66)]
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("block_size", "group", "head_dim"), [(16, 3, 64), (8, 1, 16), (32, 4, 128), (16, 2, 48), (16, 3, 24)]
+)
+def test_cpu_backend_prefill_chunks(block_size: int, group: int, head_dim: int) -> None:
+    """The native prefill kernel (head_dim a multiple of 16; 24 takes the torch path) against the reference."""
+    batch = Batch(
+        PREFILL_CHUNKS,
+        block_size=block_size,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        dtype=torch.float32,
+    )
+    out = CPUAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, reference_attention(batch), torch.float32)
+
+
+@needs_kernels
+def test_prefill_kernel_rejects_bad_inputs() -> None:
+    batch = Batch([(5, 5)], block_size=16, num_kv_heads=1, group=2, head_dim=16, dtype=torch.float32)
+    q, out = batch.query, torch.empty_like(batch.query)
+    chunks = torch.tensor([[0, 0, 5, 5]])
+    args = (batch.k_cache, batch.v_cache, batch.meta.block_tables)
+    with pytest.raises(ValueError, match="chunks"):
+        paged_prefill_attention(q, out, *args, chunks.to(torch.int32), 0.25)
+    with pytest.raises(ValueError, match="float32"):
+        paged_prefill_attention(q.double(), out, *args, chunks, 0.25)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_prefill_attention(q[..., :8], out[..., :8], *args, chunks, 0.25)
+    paged_prefill_attention(q, out, *args, chunks, 0.25)
+    assert_close(out, reference_attention(batch), torch.float32)
 
 
 @needs_kernels

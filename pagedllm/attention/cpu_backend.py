@@ -1,8 +1,11 @@
-"""CPU attention backend: decodes read the paged cache in place with a native kernel.
+"""CPU attention backend: decodes and prompt chunks read the paged cache in place with native kernels.
 
 The torch reference backend gathers every decode's K/V into a padded copy before attending, which
 moves each cached byte three times per layer; :func:`pagedllm.attention.cpu_kernels.paged_decode_attention`
-reads each once. Prefill chunks (GEMM-shaped work) and K/V writes stay with the torch backend.
+reads each once. Prompt chunks go to :func:`~pagedllm.attention.cpu_kernels.paged_prefill_attention`,
+all of a step's chunks in one call (the torch backend makes a K/V gather and an SDPA call per chunk,
+whose fixed costs dominate at prompt lengths of a few hundred tokens); head sizes that are not a
+multiple of 16 keep the torch path. K/V writes stay with the torch backend.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.attention.cpu_kernels import paged_decode_attention
-from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention
+from pagedllm.attention.torch_backend import BatchPlan, TorchAttentionBackend
 
 
 @dataclass
@@ -28,6 +31,11 @@ class CPUAttentionBackend(TorchAttentionBackend):
     """``attention_backend="cpu"``: float32 model and KV cache on the CPU (the engine checks)."""
 
     name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._chunks_meta: AttentionMetadata | None = None
+        self._chunks = torch.empty(0, 4, dtype=torch.int64)  # see paged_prefill_attention
 
     def plan_decodes(
         self, meta: AttentionMetadata, decodes: list[int], starts: list[int], device: torch.device
@@ -73,3 +81,28 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 query[plan.rows], k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.max_len, scale
             )
             out.index_copy_(0, plan.rows, o)
+
+    def attend_prefills(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: BatchPlan,
+        scale: float,
+    ) -> None:
+        if not plan.prefill_masks:
+            return
+        head_dim = query.shape[-1]
+        if head_dim % 16 or head_dim > 256:
+            super().attend_prefills(query, out, k_cache, v_cache, meta, plan, scale)
+            return
+        if self._chunks_meta is not meta:  # once per forward, not per layer
+            rows = sorted(plan.prefill_masks)
+            self._chunks = torch.tensor(
+                [[i, plan.starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]] for i in rows],
+                dtype=torch.int64,
+            )
+            self._chunks_meta = meta
+        paged_prefill_attention(query, out, k_cache, v_cache, meta.block_tables, self._chunks, scale)

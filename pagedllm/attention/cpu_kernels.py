@@ -67,3 +67,47 @@ def paged_decode_attention(
     if rc != 0:
         raise MemoryError("paged_decode_attention: out of memory for its score buffers.")
     return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    chunks: torch.Tensor,
+    scale: float,
+) -> None:
+    """Causal attention of prompt chunks over their paged K/V (already written), into ``out``.
+
+    ``query``/``out`` ``[T, H, D]`` float32, contiguous along ``D`` (a multiple of 16, at most 256);
+    caches as for :func:`paged_decode_attention`; ``chunks`` ``[C, 4]`` int64 contiguous, one row per
+    chunk: its block table row, its first query row in ``query``, its query length and its sequence
+    length (cached context plus the chunk). Rows of ``out`` outside the chunks are left untouched.
+    """
+    num_heads, head_dim = query.shape[1:]
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads or head_dim % 16 or head_dim > 256:
+        raise ValueError("query and cache head shapes do not match, or head_dim is not a multiple of 16.")
+    for name, t in (("query", query), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 CPU tensor.")
+    if not (
+        k_cache.is_contiguous() and v_cache.is_contiguous() and query.stride(-1) == 1 and out.stride(-1) == 1
+    ):
+        raise ValueError("caches must be contiguous, query and out contiguous along head_dim.")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be int32, contiguous along the last dimension.")
+    if chunks.dtype != torch.int64 or not chunks.is_contiguous() or chunks.shape[-1:] != (4,):
+        raise ValueError("chunks must be a contiguous [C, 4] int64 tensor.")
+    n = chunks.shape[0]
+    if n == 0:
+        return
+    base = chunks.data_ptr()
+    rc = load_library().paged_prefill_attention_f32(
+        query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), base, out.data_ptr(), out.stride(0), out.stride(1),
+        n, num_heads, num_kv_heads, head_dim, block_size, scale,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("paged_prefill_attention: out of memory for its scratch buffers.")

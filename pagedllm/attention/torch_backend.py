@@ -170,8 +170,8 @@ class TorchAttentionBackend:
             )
             out.index_copy_(0, group.rows, o.reshape(nb, nh, hd))
 
-    @staticmethod
     def attend_prefills(
+        self,
         query: torch.Tensor,
         out: torch.Tensor,
         k_cache: torch.Tensor,
