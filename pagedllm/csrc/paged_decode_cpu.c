@@ -24,23 +24,27 @@ static inline int64_t block_rows(int64_t b, int64_t len, int64_t block_size)
     return len - b * block_size < block_size ? len - b * block_size : block_size;
 }
 
+/* ``s[0:n]`` (n >= 1) replaced by its softmax; also used by the prefill kernel. */
+void softmax_row_f32(float *s, int64_t n)
+{
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
 /* Each of the ``rows`` rows of ``scores`` (``len`` floats each) replaced by its softmax. */
 static inline void softmax_rows(float *scores, int64_t rows, int64_t len)
 {
-    for (int64_t i = 0; i < rows; ++i) {
-        float *sg = scores + i * len;
-        float m = sg[0];
-        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-            sg[t] = expf(sg[t] - m);
-            sum += sg[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-    }
+    for (int64_t i = 0; i < rows; ++i) softmax_row_f32(scores + i * len, len);
 }
 
 /* Attend one sequence's query heads of KV heads [kv_begin, kv_end): scores for all of them are

@@ -17,11 +17,12 @@
  * per row (exact softmax in two passes, as in the decode kernel), then the values are summed with
  * the softmax weights. head_dim must be a multiple of 16.
  */
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+void softmax_row_f32(float *s, int64_t n); /* paged_decode_cpu.c */
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
@@ -77,20 +78,8 @@ static void prefill_task(
         /* Softmax weights of each row over its own keys, zero for the keys after them. */
         for (int r = 0; r < ROWS; ++r) {
             float *sr = scores + r * ldk;
-            const int64_t n = nr[r];
-            float m = sr[0];
-#pragma omp simd reduction(max : m)
-            for (int64_t j = 1; j < n; ++j) m = sr[j] > m ? sr[j] : m;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; ++j) {
-                sr[j] = expf(sr[j] - m);
-                sum += sr[j];
-            }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int64_t j = 0; j < n; ++j) sr[j] *= inv;
-            for (int64_t j = n; j < nmax; ++j) sr[j] = 0.0f;
+            softmax_row_f32(sr, nr[r]);
+            for (int64_t j = nr[r]; j < nmax; ++j) sr[j] = 0.0f;
         }
         float *dst[ROWS];
         for (int r = 0; r < ROWS; ++r) {
