@@ -12,7 +12,7 @@
  * A task is one chunk, one KV head and up to QUERY_BLOCK query tokens. It first copies the keys it
  * needs, transposed ([head_dim][keys]), and the values, contiguous, into scratch buffers: 16 keys'
  * scores for one query are then head_dim vector multiply-adds with no horizontal sums, and the
- * blocks' scattered rows are resolved once per task rather than per query. Four query rows (a row
+ * blocks' scattered rows are resolved once per task rather than per query. ROWS query rows (a row
  * is one query head at one position) share each loaded key and value vector. Scores are kept whole
  * per row (exact softmax in two passes, as in the decode kernel), then the values are summed with
  * the softmax weights. head_dim must be a multiple of 16.
@@ -86,7 +86,7 @@ static void prefill_task(
             const int64_t f = f0 + r < last ? f0 + r : last - 1, i = f / group, h = g * group + f % group;
             dst[r] = out + (q_start + i) * out_stride_tok + h * out_stride_head;
         }
-        for (int64_t v = 0; v < NV; ++v) { /* 16 output dims of the four rows at a time */
+        for (int64_t v = 0; v < NV; ++v) { /* 16 output dims of the ROWS rows at a time */
             v16 o[ROWS];
             for (int r = 0; r < ROWS; ++r) o[r] = (v16){0};
             for (int64_t j = 0; j < nmax; ++j) {
