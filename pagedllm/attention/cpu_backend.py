@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention
+from pagedllm.attention.cpu_kernels import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_kernel_supports,
+)
 from pagedllm.attention.torch_backend import BatchPlan, TorchAttentionBackend
 
 
@@ -31,11 +35,6 @@ class CPUAttentionBackend(TorchAttentionBackend):
     """``attention_backend="cpu"``: float32 model and KV cache on the CPU (the engine checks)."""
 
     name = "cpu"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._chunks_meta: AttentionMetadata | None = None
-        self._chunks = torch.empty(0, 4, dtype=torch.int64)  # see paged_prefill_attention
 
     def plan_decodes(
         self, meta: AttentionMetadata, decodes: list[int], starts: list[int], device: torch.device
@@ -82,6 +81,23 @@ class CPUAttentionBackend(TorchAttentionBackend):
             )
             out.index_copy_(0, plan.rows, o)
 
+    def plan_prefills(
+        self,
+        meta: AttentionMetadata,
+        prefills: list[int],
+        starts: list[int],
+        device: torch.device,
+        head_dim: int,
+    ) -> object:
+        """The ``chunks`` rows of :func:`paged_prefill_attention`; the torch plan for head sizes the
+        kernel does not take."""
+        if not prefill_kernel_supports(head_dim):
+            return super().plan_prefills(meta, prefills, starts, device, head_dim)
+        return torch.tensor(
+            [[i, starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]] for i in prefills],
+            dtype=torch.int64,
+        )
+
     def attend_prefills(
         self,
         query: torch.Tensor,
@@ -92,17 +108,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
         plan: BatchPlan,
         scale: float,
     ) -> None:
-        if not plan.prefill_masks:
-            return
-        head_dim = query.shape[-1]
-        if head_dim % 16 or head_dim > 256:
+        if isinstance(plan.prefills, torch.Tensor):
+            paged_prefill_attention(query, out, k_cache, v_cache, meta.block_tables, plan.prefills, scale)
+        else:
             super().attend_prefills(query, out, k_cache, v_cache, meta, plan, scale)
-            return
-        if self._chunks_meta is not meta:  # once per forward, not per layer
-            rows = sorted(plan.prefill_masks)
-            self._chunks = torch.tensor(
-                [[i, plan.starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]] for i in rows],
-                dtype=torch.int64,
-            )
-            self._chunks_meta = meta
-        paged_prefill_attention(query, out, k_cache, v_cache, meta.block_tables, self._chunks, scale)

@@ -69,6 +69,11 @@ def paged_decode_attention(
     return out
 
 
+def prefill_kernel_supports(head_dim: int) -> bool:
+    """Whether :func:`paged_prefill_attention` takes this head size (a multiple of 16, at most 256)."""
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     out: torch.Tensor,
@@ -87,7 +92,7 @@ def paged_prefill_attention(
     """
     num_heads, head_dim = query.shape[1:]
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads or head_dim % 16 or head_dim > 256:
+    if cache_dim != head_dim or num_heads % num_kv_heads or not prefill_kernel_supports(head_dim):
         raise ValueError("query and cache head shapes do not match, or head_dim is not a multiple of 16.")
     for name, t in (("query", query), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
@@ -103,10 +108,9 @@ def paged_prefill_attention(
     n = chunks.shape[0]
     if n == 0:
         return
-    base = chunks.data_ptr()
     rc = load_library().paged_prefill_attention_f32(
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), base, out.data_ptr(), out.stride(0), out.stride(1),
+        block_tables.data_ptr(), block_tables.stride(0), chunks.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
         n, num_heads, num_kv_heads, head_dim, block_size, scale,
     )  # fmt: skip
     if rc != 0:

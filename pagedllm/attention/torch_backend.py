@@ -67,14 +67,13 @@ class BatchPlan:
     """Per-step index tensors and masks, shared by every layer of one forward.
 
     ``decodes`` is whatever the backend's ``plan_decodes`` built for the batch's decodes (requests
-    with query length 1), or None when there are none.
+    with query length 1), ``prefills`` what its ``plan_prefills`` built for the prompt chunks (query
+    length above 1); each None when there are none.
     """
 
     starts: list[int]  # first query row of each request (and the total row count last)
     decodes: object | None
-    # Request index -> [query_len, seq_len] causal mask offset by the cached context; None for a
-    # chunk with no cached context (plain causal attention).
-    prefill_masks: dict[int, torch.Tensor | None]
+    prefills: object | None
 
 
 def _decode_group(
@@ -99,8 +98,8 @@ class TorchAttentionBackend:
     """Reference backend. Index tensors and masks are built once per batch (per metadata object)
     and reused by every layer.
 
-    Subclasses may replace how decodes are attended by overriding :meth:`plan_decodes` and
-    :meth:`attend_decodes`; prefill chunks always go through :meth:`attend_prefills`.
+    Subclasses may replace how decodes and prompt chunks are attended by overriding
+    :meth:`plan_decodes` / :meth:`attend_decodes` and :meth:`plan_prefills` / :meth:`attend_prefills`.
     """
 
     name = "torch"
@@ -111,30 +110,44 @@ class TorchAttentionBackend:
         self._slots: torch.Tensor | None = None
         self._valid_slots: torch.Tensor | None = None  # rows to write of ``_slots``; None = all
 
-    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> BatchPlan:
+    def _plan_for(self, meta: AttentionMetadata, device: torch.device, head_dim: int) -> BatchPlan:
         if self._meta is not meta or self._batch_plan is None:
-            self._batch_plan = self.plan(meta, device)
+            self._batch_plan = self.plan(meta, device, head_dim)
             self._meta = meta
         return self._batch_plan
 
-    def plan(self, meta: AttentionMetadata, device: torch.device) -> BatchPlan:
-        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+    def plan(self, meta: AttentionMetadata, device: torch.device, head_dim: int) -> BatchPlan:
+        qlens = meta.query_lens_cpu
         starts = [0]
         for ql in qlens:
             starts.append(starts[-1] + ql)
         decodes = [i for i, q in enumerate(qlens) if q == 1]
-        prefill_masks: dict[int, torch.Tensor | None] = {}
-        for i, (ql, sl) in enumerate(zip(qlens, slens, strict=True)):
-            if ql > 1 and ql == sl:
-                prefill_masks[i] = None
-            elif ql > 1:
-                qpos = torch.arange(sl - ql, sl, device=device)
-                prefill_masks[i] = torch.arange(sl, device=device)[None, :] <= qpos[:, None]
+        prefills = [i for i, q in enumerate(qlens) if q > 1]
         return BatchPlan(
             starts=starts,
             decodes=self.plan_decodes(meta, decodes, starts, device) if decodes else None,
-            prefill_masks=prefill_masks,
+            prefills=self.plan_prefills(meta, prefills, starts, device, head_dim) if prefills else None,
         )
+
+    def plan_prefills(
+        self,
+        meta: AttentionMetadata,
+        prefills: list[int],
+        starts: list[int],
+        device: torch.device,
+        head_dim: int,
+    ) -> object:
+        """Request index -> its ``[query_len, seq_len]`` causal mask offset by the cached context, or
+        None for a chunk without cached context (plain causal attention)."""
+        masks: dict[int, torch.Tensor | None] = {}
+        for i in prefills:
+            ql, sl = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+            if ql == sl:
+                masks[i] = None
+            else:
+                qpos = torch.arange(sl - ql, sl, device=device)
+                masks[i] = torch.arange(sl, device=device)[None, :] <= qpos[:, None]
+        return masks
 
     def plan_decodes(
         self, meta: AttentionMetadata, decodes: list[int], starts: list[int], device: torch.device
@@ -180,7 +193,8 @@ class TorchAttentionBackend:
         plan: BatchPlan,
         scale: float,
     ) -> None:
-        for i, mask in plan.prefill_masks.items():
+        assert isinstance(plan.prefills, dict)
+        for i, mask in plan.prefills.items():
             ql, sl = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
             s = plan.starts[i]
             k = gather_kv(k_cache, meta.block_tables[i], sl).transpose(0, 1).to(query.dtype)  # [kvh, L, d]
@@ -226,9 +240,10 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan = self._plan_for(meta, query.device)
+        plan = self._plan_for(meta, query.device, query.shape[-1])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.decodes is not None:
             self.attend_decodes(query, out, k_cache, v_cache, plan.decodes, scale)
-        self.attend_prefills(query, out, k_cache, v_cache, meta, plan, scale)
+        if plan.prefills is not None:
+            self.attend_prefills(query, out, k_cache, v_cache, meta, plan, scale)
         return out
