@@ -63,6 +63,7 @@ _RETURNS: dict[str, Any] = {
     "paged_decode_attention_f32": ctypes.c_int,
     "paged_prefill_attention_f32": ctypes.c_int,
     "llama_decode_layers_f32": ctypes.c_int,
+    "panel_linear_f32": ctypes.c_int,
     "panel_weight_floats": ctypes.c_int64,
 }
 

@@ -23,8 +23,8 @@ int paged_decode_attention_f32(
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
     int64_t out_stride_seq, int64_t out_stride_head, int64_t num_seqs, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_seq_len, float scale);
-void panel_linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *out,
-                      int64_t ldo, int64_t m, int64_t n, int64_t k);
+int panel_linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *out,
+                     int64_t ldo, int64_t m, int64_t n, int64_t k);
 
 /* Per-layer pointers, ``num_layers`` of each, in this order in ``layer_ptrs``. */
 enum { P_LN1, P_QKV, P_QKV_BIAS, P_O, P_LN2, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, NUM_P };
@@ -62,7 +62,8 @@ int llama_decode_layers_f32(
         } else { /* residual += x; h = norm(residual) */
             rms_norm_f32(x, hidden, residual, hidden, h, hidden, residual, hidden, ln1, rows, hidden, eps);
         }
-        panel_linear_f32(h, hidden, PTR(P_QKV), PTR(P_QKV_BIAS), qkv, qkv_size, rows, qkv_size, hidden);
+        if ((rc = panel_linear_f32(h, hidden, PTR(P_QKV), PTR(P_QKV_BIAS), qkv, qkv_size, rows, qkv_size, hidden)))
+            break;
         /* q and k heads are adjacent: rotate them in one pass. */
         rotary_f32(qkv, qkv_size, head_dim, rows, num_heads + num_kv_heads, head_dim, positions, cos_cache, sin_cache);
         for (int64_t r = 0; r < rows; ++r) {
@@ -74,11 +75,14 @@ int llama_decode_layers_f32(
         rc = paged_decode_attention_f32(qkv, qkv_size, head_dim, k_cache, v_cache, block_tables, table_stride,
                                         seq_lens, attn, q_size, head_dim, rows, num_heads, num_kv_heads, head_dim,
                                         block_size, max_seq_len, scale);
-        panel_linear_f32(attn, q_size, PTR(P_O), NULL, x, hidden, rows, hidden, q_size);
+        if (rc || (rc = panel_linear_f32(attn, q_size, PTR(P_O), NULL, x, hidden, rows, hidden, q_size)))
+            break;
         rms_norm_f32(x, hidden, residual, hidden, h, hidden, residual, hidden, ln2, rows, hidden, eps);
-        panel_linear_f32(h, hidden, PTR(P_GATE_UP), NULL, gate_up, 2 * intermediate, rows, 2 * intermediate, hidden);
+        if ((rc = panel_linear_f32(h, hidden, PTR(P_GATE_UP), NULL, gate_up, 2 * intermediate, rows,
+                                   2 * intermediate, hidden)))
+            break;
         silu_and_mul_f32(gate_up, 2 * intermediate, act, intermediate, rows, intermediate);
-        panel_linear_f32(act, intermediate, PTR(P_DOWN), NULL, x, hidden, rows, hidden, intermediate);
+        rc = panel_linear_f32(act, intermediate, PTR(P_DOWN), NULL, x, hidden, rows, hidden, intermediate);
 #undef PTR
     }
     if (rc == 0) rms_norm_f32(x, hidden, residual, hidden, out, hidden, residual, hidden, final_norm, rows, hidden, eps);

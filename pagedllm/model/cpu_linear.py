@@ -64,10 +64,12 @@ class PanelLinear(nn.Module):
             x2 = x2.contiguous()
         rows = x2.shape[0]
         out = torch.empty(rows, n, dtype=torch.float32)
-        load_library().panel_linear_f32(
+        rc = load_library().panel_linear_f32(
             x2.data_ptr(), x2.stride(0), self.panels.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), n, rows, n, k,
         )  # fmt: skip
+        if rc:
+            raise MemoryError("panel_linear: out of memory for its packed rows.")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
