@@ -22,7 +22,7 @@ from pagedllm.layers_triton import rms_norm_torch, silu_and_mul_torch
 from pagedllm.model import cpu_linear
 from pagedllm.model.cpu_linear import PanelLinear, optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
-from pagedllm.native import kernels_available
+from pagedllm.native import kernels_available, load_library
 from pagedllm.worker import cpu_memory
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
@@ -312,6 +312,23 @@ def test_native_max_logsumexp_matches_torch() -> None:
     assert index.tolist()[3] == 10
     assert torch.equal(index[[0, 1, 4, 5]], ref_index[[0, 1, 4, 5]])
     torch.testing.assert_close(lse, torch.logsumexp(x[:, :49000], dim=-1), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 33, 100, 257])
+def test_native_softmax_row_matches_torch(n: int) -> None:
+    # The attention kernels' softmax (its own vector exp, a masked last vector): accurate, and nothing
+    # past the row is touched.
+    gen = torch.Generator().manual_seed(n)
+    for scale in (1.0, 10.0, 100.0):
+        row = torch.randn(n, generator=gen) * scale
+        buf = torch.cat([row, torch.full((17,), 7.0)])
+        load_library().softmax_row_f32(buf.data_ptr(), n)
+        expected = torch.softmax(row.double(), dim=0).float()
+        # Scores far below the maximum carry float32's rounding of the difference (torch's float32
+        # softmax is off by as much there).
+        torch.testing.assert_close(buf[:n], expected, rtol=1e-6 if scale == 1.0 else 1e-5, atol=1e-30)
+        assert torch.equal(buf[n:], torch.full((17,), 7.0))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc and madvise are Linux's")

@@ -13,9 +13,11 @@
  * needs, transposed ([head_dim][keys]), and the values, contiguous, into scratch buffers: 16 keys'
  * scores for one query are then head_dim vector multiply-adds with no horizontal sums, and the
  * blocks' scattered rows are resolved once per task rather than per query. ROWS query rows (a row
- * is one query head at one position) share each loaded key and value vector. Scores are kept whole
- * per row (exact softmax in two passes, as in the decode kernel), then the values are summed with
- * the softmax weights. head_dim must be a multiple of 16.
+ * is one query head at one position) share each loaded key and value vector, and each pass keeps
+ * several vectors per row in registers (KEY_VECS score columns, VALUE_VECS output slices), so the
+ * loads of one step feed enough independent multiply-adds. Scores are kept whole per row (exact
+ * softmax in two passes, as in the decode kernel), then the values are summed with the softmax
+ * weights. head_dim must be a multiple of 16.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -27,8 +29,51 @@ void softmax_row_f32(float *s, int64_t n); /* paged_decode_cpu.c */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 #define QUERY_BLOCK 64 /* query tokens per task */
-#define ROWS 6 /* query rows per pass over the keys */
+#define ROWS 6         /* query rows per pass over the keys */
+#define KEY_VECS 2     /* 16-key columns of scores per pass over head_dim (ROWS x 2 accumulators) */
+#define VALUE_VECS 4   /* 16-float slices of the output per pass over the keys (ROWS x 4 accumulators) */
 #define MAX_VECS 16    /* head_dim / 16 at most (head_dim <= 256) */
+
+/* Scores of the ROWS query rows ``qr`` against W * 16 keys: columns of ``kc`` (transposed keys,
+ * row stride ldk), times ``scale``, into ``scores`` (row stride ldk). */
+static inline __attribute__((always_inline)) void score_chunks(
+    const int W, const float *const qr[ROWS], const float *kc, int64_t ldk, int64_t D, float scale, float *scores)
+{
+    v16 acc[ROWS][KEY_VECS];
+    for (int r = 0; r < ROWS; ++r)
+        for (int w = 0; w < W; ++w) acc[r][w] = (v16){0};
+    for (int64_t d = 0; d < D; ++d) {
+        v16 kv[KEY_VECS];
+        for (int w = 0; w < W; ++w) kv[w] = *(const v16 *)(kc + d * ldk + 16 * w);
+        for (int r = 0; r < ROWS; ++r) {
+            const float a = qr[r][d];
+            for (int w = 0; w < W; ++w) acc[r][w] += a * kv[w];
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int w = 0; w < W; ++w) *(v16 *)(scores + r * ldk + 16 * w) = acc[r][w] * scale;
+}
+
+/* dst[r][off : off + W * 16] = sum over keys j < nkeys of scores[r][j] * vs[j][0 : W * 16], for the
+ * ROWS rows (``vs`` row stride D); rows repeated at the end of a pass: the last one's store wins. */
+static inline __attribute__((always_inline)) void weigh_values(
+    const int W, const float *scores, int64_t ldk, const float *vs, int64_t D, int64_t nkeys, float *const dst[ROWS],
+    int64_t off)
+{
+    v16 o[ROWS][VALUE_VECS];
+    for (int r = 0; r < ROWS; ++r)
+        for (int w = 0; w < W; ++w) o[r][w] = (v16){0};
+    for (int64_t j = 0; j < nkeys; ++j) {
+        v16 vv[VALUE_VECS];
+        for (int w = 0; w < W; ++w) vv[w] = *(const v16 *)(vs + j * D + 16 * w);
+        for (int r = 0; r < ROWS; ++r) {
+            const float p = scores[r * ldk + j];
+            for (int w = 0; w < W; ++w) o[r][w] += p * vv[w];
+        }
+    }
+    for (int r = ROWS - 1; r >= 0; --r)
+        for (int w = 0; w < W; ++w) *(v16 *)(dst[r] + off + 16 * w) = o[r][w];
+}
 
 /* One task: query tokens [i0, i1) of a chunk, KV head g. ``kt`` [head_dim][ldk] and ``vs``
  * [ldk][head_dim] are scratch for the keys (transposed) and values it needs, ``scores`` [ROWS][ldk]. */
@@ -65,16 +110,9 @@ static void prefill_task(
             nr[r] = context + i + 1;
         }
         const int64_t nmax = nr[ROWS - 1], chunks = (nmax + 15) / 16;
-        for (int64_t c = 0; c < chunks; ++c) {
-            v16 acc[ROWS];
-            for (int r = 0; r < ROWS; ++r) acc[r] = (v16){0};
-            const float *kc = kt + c * 16;
-            for (int64_t d = 0; d < D; ++d) {
-                const v16 kv = *(const v16 *)(kc + d * ldk);
-                for (int r = 0; r < ROWS; ++r) acc[r] += qr[r][d] * kv;
-            }
-            for (int r = 0; r < ROWS; ++r) *(v16 *)(scores + r * ldk + c * 16) = acc[r] * scale;
-        }
+        int64_t c = 0;
+        for (; c + KEY_VECS <= chunks; c += KEY_VECS) score_chunks(KEY_VECS, qr, kt + c * 16, ldk, D, scale, scores + c * 16);
+        for (; c < chunks; ++c) score_chunks(1, qr, kt + c * 16, ldk, D, scale, scores + c * 16);
         /* Softmax weights of each row over its own keys, zero for the keys after them. */
         for (int r = 0; r < ROWS; ++r) {
             float *sr = scores + r * ldk;
@@ -86,15 +124,9 @@ static void prefill_task(
             const int64_t f = f0 + r < last ? f0 + r : last - 1, i = f / group, h = g * group + f % group;
             dst[r] = out + (q_start + i) * out_stride_tok + h * out_stride_head;
         }
-        for (int64_t v = 0; v < NV; ++v) { /* 16 output dims of the ROWS rows at a time */
-            v16 o[ROWS];
-            for (int r = 0; r < ROWS; ++r) o[r] = (v16){0};
-            for (int64_t j = 0; j < nmax; ++j) {
-                const v16 vv = *(const v16 *)(vs + j * D + 16 * v);
-                for (int r = 0; r < ROWS; ++r) o[r] += scores[r * ldk + j] * vv;
-            }
-            for (int r = ROWS - 1; r >= 0; --r) *(v16 *)(dst[r] + 16 * v) = o[r]; /* repeated rows: last wins */
-        }
+        int64_t v = 0;
+        for (; v + VALUE_VECS <= NV; v += VALUE_VECS) weigh_values(VALUE_VECS, scores, ldk, vs + 16 * v, D, nmax, dst, 16 * v);
+        for (; v < NV; ++v) weigh_values(1, scores, ldk, vs + 16 * v, D, nmax, dst, 16 * v);
     }
 }
 
