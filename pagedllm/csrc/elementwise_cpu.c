@@ -1,6 +1,7 @@
 /*
  * Fused elementwise parts of a decoder layer on the CPU, float32, one pass over each row:
- * RMSNorm (optionally after adding the residual), SiLU-and-mul, and rotary embedding in place.
+ * RMSNorm (optionally after adding the residual), SiLU-and-mul, and rotary embedding in place
+ * (the softmax-type reductions are in softmax_cpu.c).
  * Rows are independent, so results never depend on what else is in the batch.
  */
 #include <math.h>
@@ -68,29 +69,5 @@ void rotary_f32(float *x, int64_t stride_t, int64_t stride_h, int64_t tokens, in
                 x2[i] = b * c[i] + a * s[i];
             }
         }
-    }
-}
-
-/* Per row of x [rows, n] (row stride x_stride): the maximum, the first index holding it, and
- * log(sum(exp(x))). Entries may be -inf (masked tokens); a row whose maximum is not finite gets
- * lse = max. Compiled without the finite-math assumption of -ffast-math so those checks hold. */
-__attribute__((optimize("no-finite-math-only"))) void max_logsumexp_f32(const float *x, int64_t x_stride, int64_t rows, int64_t n, float *max_out,
-                       int64_t *argmax_out, float *lse_out)
-{
-#pragma omp parallel for if (rows * n >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + r * x_stride;
-        float m = xr[0];
-        for (int64_t i = 1; i < n; ++i) m = xr[i] > m ? xr[i] : m;
-        int64_t arg = 0;
-        while (arg < n - 1 && xr[arg] != m) ++arg;
-        float sum = 0.0f;
-        if (isfinite(m)) {
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < n; ++i) sum += expf(xr[i] - m);
-        }
-        max_out[r] = m;
-        argmax_out[r] = arg;
-        lse_out[r] = isfinite(m) ? m + logf(sum) : m;
     }
 }

@@ -12,7 +12,6 @@
  * passes), so every K and V row is read once. head_dim 64 and 128 get specialised loops; with
  * AVX-512 they are vectorised by hand (decode_seq_avx512), other sizes and CPUs use portable loops.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,74 +23,7 @@ static inline int64_t block_rows(int64_t b, int64_t len, int64_t block_size)
     return len - b * block_size < block_size ? len - b * block_size : block_size;
 }
 
-#if defined(__AVX512F__)
-#include <float.h>
-#include <immintrin.h>
-
-/* e^x for the 16 lanes of x <= 0 (scores minus their maximum), within 2 ulp of expf: x = n ln2 + r
- * with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact), e^r by its Taylor series to r^7 (error
- * under 1e-8), scaled by 2^n. Lanes below -104 give 0 (or the smallest denormal). */
-static inline __attribute__((always_inline)) __m512 exp16_nonpositive(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* ``s[0:n]`` (n >= 1) replaced by its softmax; also used by the prefill kernel. Sixteen lanes at a
- * time, the last partial vector masked (rows are short in prefill: a scalar tail would cost more
- * than the rest of the row). */
-void softmax_row_f32(float *s, int64_t n)
-{
-    const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
-    const int64_t full = n / 16 * 16;
-    const __mmask16 tail = (__mmask16)((1u << (n - full)) - 1u);
-    __m512 vmax = lowest;
-    for (int64_t t = 0; t < full; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, tail, s + full));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < full; t += 16) {
-        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-        _mm512_storeu_ps(s + t, e);
-        vsum = _mm512_add_ps(vsum, e);
-    }
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m)));
-    _mm512_mask_storeu_ps(s + full, tail, e);
-    vsum = _mm512_add_ps(vsum, e);
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-    for (int64_t t = 0; t < full; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
-    _mm512_mask_storeu_ps(s + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), inv));
-}
-#else
-/* ``s[0:n]`` (n >= 1) replaced by its softmax; also used by the prefill kernel. */
-void softmax_row_f32(float *s, int64_t n)
-{
-    float m = s[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-        s[t] = expf(s[t] - m);
-        sum += s[t];
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-}
-#endif
+void softmax_row_f32(float *s, int64_t n); /* softmax_cpu.c */
 
 /* Each of the ``rows`` rows of ``scores`` (``len`` floats each) replaced by its softmax. */
 static inline void softmax_rows(float *scores, int64_t rows, int64_t len)
@@ -145,6 +77,7 @@ static inline __attribute__((always_inline)) void decode_seq(
 }
 
 #if defined(__AVX512F__)
+#include <immintrin.h>
 /* Blocks are prefetched this many blocks ahead, into L2: an L1 prefetch holds one of the core's
  * few line-fill buffers until the line arrives, so a block's worth of them stalls the loads of the
  * work in between; L2 prefetches have more requests in flight and leave the L1 to the kernel. */

@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void softmax_row_f32(float *s, int64_t n); /* paged_decode_cpu.c */
+void softmax_row_f32(float *s, int64_t n); /* softmax_cpu.c */
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
