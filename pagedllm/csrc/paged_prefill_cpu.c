@@ -102,11 +102,13 @@ static void prefill_task(
     const int64_t first = i0 * group, last = i1 * group; /* rows: position-major, then head */
     for (int64_t f0 = first; f0 < last; f0 += ROWS) {
         const float *qr[ROWS];
+        float *dst[ROWS];
         int64_t nr[ROWS]; /* keys row r sees */
         for (int r = 0; r < ROWS; ++r) {
             const int64_t f = f0 + r < last ? f0 + r : last - 1; /* past the end: repeat the last row */
             const int64_t i = f / group, h = g * group + f % group;
             qr[r] = q + (q_start + i) * q_stride_tok + h * q_stride_head;
+            dst[r] = out + (q_start + i) * out_stride_tok + h * out_stride_head;
             nr[r] = context + i + 1;
         }
         const int64_t nmax = nr[ROWS - 1], chunks = (nmax + 15) / 16;
@@ -118,11 +120,6 @@ static void prefill_task(
             float *sr = scores + r * ldk;
             softmax_row_f32(sr, nr[r]);
             for (int64_t j = nr[r]; j < nmax; ++j) sr[j] = 0.0f;
-        }
-        float *dst[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
-            const int64_t f = f0 + r < last ? f0 + r : last - 1, i = f / group, h = g * group + f % group;
-            dst[r] = out + (q_start + i) * out_stride_tok + h * out_stride_head;
         }
         int64_t v = 0;
         for (; v + VALUE_VECS <= NV; v += VALUE_VECS) weigh_values(VALUE_VECS, scores, ldk, vs + 16 * v, D, nmax, dst, 16 * v);
