@@ -7,7 +7,8 @@
 The kernels follow the torch formulas of :mod:`pagedllm.model.layers` step by step, rounding
 intermediate values to the input dtype where torch does, so both paths agree up to the last-bit
 differences of fp32 ``exp``/``rsqrt`` implementations.
-Triton runs on CUDA tensors (when triton is installed); float32 CPU tensors use the native kernels of
+Triton runs on CUDA tensors (when triton is installed; on meta tensors it compiles for a GPU inside
+:func:`pagedllm.attention.triton_aot.compile_for`); float32 CPU tensors use the native kernels of
 :mod:`pagedllm.layers_cpu` when they build, other tensors torch, unless ``use_triton=True`` asks for
 the Triton interpreter (for tests).
 """
@@ -29,7 +30,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
     if triton is None:
         return False
-    return x.device.type == "cuda" if use_triton is None else use_triton
+    # Meta tensors: launches compile for a GPU inside triton_aot.compile_for, else do nothing.
+    return x.device.type in ("cuda", "meta") if use_triton is None else use_triton
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,7 +188,7 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
     d = x.shape[-1] // 2
     x2 = _rows(x)
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(d), 1024 if x.device.type == "cuda" else 16384)
+    block = min(triton.next_power_of_2(d), 16384 if x.device.type == "cpu" else 1024)
     launch(
         _silu_and_mul_kernel,
         (x2.shape[0], triton.cdiv(d, block)),

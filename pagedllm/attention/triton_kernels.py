@@ -375,7 +375,16 @@ def _interpreter_scope() -> Iterator[None]:
 
 
 def launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel``: compiled on GPUs, interpreted on CPU tensors whatever ``TRITON_INTERPRET`` says."""
+    """Launch ``kernel``: compiled on GPUs, interpreted on CPU tensors whatever ``TRITON_INTERPRET`` says.
+
+    On meta tensors nothing runs; inside :func:`pagedllm.attention.triton_aot.compile_for` the kernel
+    is compiled for that scope's GPU.
+    """
+    if device.type == "meta":
+        from pagedllm.attention import triton_aot  # not needed on the GPU path
+
+        triton_aot.compile_launch(kernel, grid, *args, **kwargs)
+        return
     if not _is_interpreted(kernel, device):
         kernel[grid](*args, **kwargs)
         return
@@ -385,8 +394,17 @@ def launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any,
         kernel[grid](*args, **kwargs)
 
 
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU ``device`` (meta: the GPU being compiled for)."""
+    if device.type == "meta":
+        from pagedllm.attention import triton_aot
+
+        return (triton_aot.current_spec() or triton_aot.H200).num_sms
+    return _cuda_num_sms(device.index or 0)
+
+
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def _cuda_num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
@@ -498,7 +516,7 @@ def choose_config(
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    on_gpu = query.device.type == "cuda"
+    on_gpu = query.device.type != "cpu"  # cuda, or meta when compiling for a GPU
     wide = k_cache.element_size() >= 4 or head_dim > 128  # fp32 or large heads: smaller tiles
 
     if block_m is None:
@@ -514,7 +532,7 @@ def choose_config(
         if on_gpu:
             # Split the context when the batch alone cannot fill the GPU, keeping >= 4 tiles per split.
             programs = num_query_programs(meta, block_m // group) * num_kv_heads
-            target = 2 * _num_sms(query.device.index or 0)
+            target = 2 * _num_sms(query.device)
             max_tiles = triton.cdiv(meta.max_seq_len, tile_n)
             want = min(triton.cdiv(target, max(programs, 1)), max_tiles // 4, 16)
             num_splits = triton.next_power_of_2(want) if want > 1 else 1
