@@ -300,8 +300,9 @@ class LLMEngine:
             parent = self.output_processor.parents.get(pid)
             if parent is None:
                 continue
-            outputs.append(parent.output())
-            if parent.finished:
+            output = parent.output()
+            outputs.append(output)
+            if output.finished:
                 self.output_processor.remove(pid)
         times.outputs += time.perf_counter() - finished_model
         return outputs

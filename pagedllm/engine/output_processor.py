@@ -58,28 +58,34 @@ class ParentState:
         return all(c.request.is_finished for c in self.children)
 
     def output(self) -> RequestOutput:
-        first = self.children[0].request
-        outputs = [c.completion() for c in self.children]
-        outputs.sort(key=lambda o: o.index)
+        """A snapshot of the request (called for every request that got a token, every step)."""
+        children = self.children
+        first = children[0].request
+        finished = self.finished
+        if len(children) == 1:
+            outputs = [children[0].completion()]
+            first_token_time, last_token_time = first.first_token_time, first.last_token_time
+        else:
+            outputs = sorted((c.completion() for c in children), key=lambda o: o.index)
+            first_token_time = min(
+                (c.request.first_token_time for c in children if c.request.first_token_time), default=None
+            )
+            last_token_time = max(
+                (c.request.last_token_time for c in children if c.request.last_token_time), default=None
+            )
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
-            first_token_time=min(
-                (c.request.first_token_time for c in self.children if c.request.first_token_time),
-                default=None,
-            ),
-            last_token_time=max(
-                (c.request.last_token_time for c in self.children if c.request.last_token_time),
-                default=None,
-            ),
-            finished_time=time.monotonic() if self.finished else None,
+            first_token_time=first_token_time,
+            last_token_time=last_token_time,
+            finished_time=time.monotonic() if finished else None,
         )
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
-            finished=self.finished,
+            finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             prompt_logprobs=first.prompt_logprobs,
             metrics=metrics,
