@@ -66,6 +66,12 @@ def test_engine_kernels_compile_for_h200(tmp_path: Path) -> None:
                 assert v["local_bytes"] == 0 and v["registers"] <= 255, v
             # The compiled form of the kernels, not the interpreter's (which upcasts dot operands).
             assert v["constants"].get("UPCAST_DOT", False) is False
+            if v["kernel"] == "_paged_attention_kernel":
+                # K and V tiles are software-pipelined: asynchronous copies ahead of their use.
+                assert v["async_copies"] >= 2, v
+                # 16-bit prefill tiles of 64 rows use Hopper's warp-group MMA.
+                if dtype == "bfloat16" and v["constants"]["BLOCK_M"] >= 64:
+                    assert v["dot"] == "wgmma", v
 
         # Every bucket launches attention with one program per sequence and a split-K fixed for any
         # context up to max_model_len; more splits where the bucket alone cannot fill the SMs.

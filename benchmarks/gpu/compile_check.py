@@ -10,8 +10,9 @@ sm_90 down to the cubin instead of running:
 
 A compile error, a variant needing more shared memory than an H200 block has, or a host read of
 device data in the forward (a meta tensor's ``.item()`` raises) fails the run. The report lists each
-variant's tiling, shared memory, registers and spills (from ``cuobjdump -res-usage`` on the cubin)
-and, per bucket, the attention launch. Run it in a process without ``TRITON_INTERPRET=1``:
+variant's tiling, shared memory, registers and spills (from ``cuobjdump -res-usage`` on the cubin),
+whether its loads are pipelined (asynchronous copies) and which MMA instructions its dots use, and,
+per bucket, the attention launch. Run it in a process without ``TRITON_INTERPRET=1``:
 
     python benchmarks/gpu/compile_check.py --output-json compile_check.json
 """
@@ -129,6 +130,7 @@ def check_model(
                 "num_stages": launch.num_stages,
                 "shared_bytes": launch.shared_bytes,
                 **(triton_aot.resource_usage(launch) or {}),
+                **code_features(launch.asm["ttgir"]),
             }
     return {
         "model": name,
@@ -144,16 +146,32 @@ def check_model(
     }
 
 
+def code_features(ttgir: str) -> dict[str, Any]:
+    """What the GPU code does with its loads and products, from Triton's GPU-level IR: how many
+    loads are asynchronous copies into shared memory (software-pipelined ahead of their use), and
+    which matrix instructions the dots use (Hopper warp-group MMA, or the older per-warp MMA)."""
+    if "ttng.warp_group_dot" in ttgir:
+        dot = "wgmma"
+    elif "tt.dot " in ttgir:
+        dot = "mma"
+    else:
+        dot = "-"
+    return {"async_copies": ttgir.count("ttg.async_copy_global_to_local"), "dot": dot}
+
+
 def format_table(cases: list[dict[str, Any]]) -> str:
     tiling_keys = ("BLOCK_M", "TILE_N", "NUM_SPLITS", "DECODE_ONLY", "BLOCK", "BLOCK_C", "BLOCK_H")
-    lines = [f"{'case':22} {'kernel':24} {'tiling':52} {'smem B':>7} {'regs':>5} {'spill B':>7}"]
+    lines = [
+        f"{'case':22} {'kernel':24} {'tiling':52} {'smem B':>7} {'regs':>5} {'spill B':>7} "
+        f"{'cp.async':>8} {'dot':>5}"
+    ]
     for case in cases:
         label = f"{case['model']} {case['dtype']}"
         for v in case["variants"]:
             tiling = " ".join(f"{k}={v['constants'][k]}" for k in tiling_keys if k in v["constants"])
             lines.append(
                 f"{label:22} {v['kernel']:24} {tiling:52} {v['shared_bytes']:>7} "
-                f"{v.get('registers', '-'):>5} {v.get('local_bytes', '-'):>7}"
+                f"{v.get('registers', '-'):>5} {v.get('local_bytes', '-'):>7} {v['async_copies']:>8} {v['dot']:>5}"
             )
     return "\n".join(lines)
 
