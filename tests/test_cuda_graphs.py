@@ -174,19 +174,35 @@ def test_static_decode_path_matches_eager_on_cpu(tmp_path: Path) -> None:
 
     graphs.replay = counting_replay  # type: ignore[method-assign]
     runner.cuda_graphs = graphs
+    engine = llm.llm_engine
     try:
         replayed = _outputs(llm, prompts, params)
+        # Scheduled ahead: each decode step's tokens come from the previous step's samples on the
+        # device, written into the graph's static input buffer.
+        engine.async_scheduling = True
+        load_inputs = graphs.load_inputs
+        pending_loads: list[int] = []
+
+        def counting_load(so: Any) -> int:
+            pending_loads.append(sum(sr.request.num_pending_tokens for sr in so.scheduled))
+            return load_inputs(so)
+
+        graphs.load_inputs = counting_load  # type: ignore[method-assign]
+        ahead = _outputs(llm, prompts, params)
     finally:
         runner.cuda_graphs = None
+        engine.async_scheduling = False
     # Three requests decode in the bucket of 4 (one padding row), then 2, then 1 as they finish.
     assert buckets and set(buckets) <= {1, 2, 4} and 4 in buckets and 1 in buckets
-    for a, b in zip(eager, replayed, strict=True):
-        assert a.token_ids == b.token_ids
-        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
-            assert step_a.keys() == step_b.keys()
+    assert pending_loads and all(n > 0 for n in pending_loads), pending_loads
+    for a, b, c in zip(eager, replayed, ahead, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        for step_a, step_b, step_c in zip(a.logprobs, b.logprobs, c.logprobs, strict=True):
+            assert step_a.keys() == step_b.keys() == step_c.keys()
             for tok in step_a:
                 assert abs(step_a[tok].logprob - step_b[tok].logprob) < 1e-4
-    llm.llm_engine.check_idle()
+                assert abs(step_a[tok].logprob - step_c[tok].logprob) < 1e-4
+    engine.check_idle()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,6 +288,8 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
     assert decode["num_running"] == 8
     for key in ("step_ms", "forward_ms", "prepare_ms", "sample_ms", "host_overhead_fraction"):
         assert decode[key] is not None and decode[key] >= 0
+    assert decode["sync_step_ms"] > 0 and decode["async_step_ms"] > 0
+    assert 0 <= decode["async_overhead_fraction"] < 1 and 0 <= decode["sync_overhead_fraction"] < 1
     roofline = results["roofline"]
     assert roofline["bytes_per_step"] > roofline["weight_bytes"] > 0
     assert 0 < roofline["fraction_of_roofline_forward"]

@@ -6,34 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import SamplingParams
+from prompts import PROMPTS
 from reference import assert_greedy_close
 
-SYSTEM = (
-    "You are a careful assistant. Answer briefly and precisely, and never invent facts. "
-    "When asked about numbers, show the arithmetic step by step before the answer. "
-)
-PROMPTS = [
-    SYSTEM + q
-    for q in (
-        "What is 12 times 7?",
-        "Name the largest planet.",
-        "Why is the sky blue?",
-        "Write a short greeting.",
-    )
-] + [
-    "The history of the printing press begins",
-    "import numpy as np\n\ndef softmax(x):",
-    "Roses are red,",
-    "In 1969, the first humans",
-    "A list of fruits: apple, banana,",
-    "The mitochondria is",
-    "Dear Sir or Madam,",
-    "SELECT name FROM users WHERE",
-    "La vie est",
-    "To be or not to be,",
-    "Step 1: preheat the oven.",
-    "The answer to life, the universe and everything is",
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
 
 

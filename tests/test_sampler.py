@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -519,3 +520,45 @@ def test_zero_logprobs_reports_only_the_sampled_token() -> None:
     assert entry is not None and list(entry) == [token]
     assert entry[token].rank == 1
     assert entry[token].logprob == pytest.approx(torch.log_softmax(logits[0], 0)[token].item(), abs=1e-6)
+
+
+def test_sampling_queues_work_without_waiting_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What lets the engine schedule ahead on a GPU: sampling only queues work. On the meta device
+    (shapes, no data) any read of device data raises, and a patched ``Tensor.to`` records every
+    host-to-device copy that would block the host until the device is idle."""
+    blocking: list[tuple[int, ...]] = []
+    original_to = torch.Tensor.to
+
+    def checked_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = original_to(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type == "meta" and not kwargs.get("non_blocking"):
+            blocking.append(tuple(self.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", checked_to)
+    vocab = 64
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=5, min_p=0.1),
+        SamplingParams(temperature=0.9, seed=3),
+        SamplingParams(temperature=0, logit_bias={3: 2.0, 9: -1.0}, logprobs=2),
+        SamplingParams(temperature=0.5, allowed_token_ids=[1, 2, 3]),
+        SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[7]),
+        SamplingParams(temperature=0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3),
+    ]
+    n = len(params)
+    generators = [None] * n
+    generators[3] = make_generator(3)
+    batch = make_batch(
+        params,
+        prompts=[[1, 2, 70]] * n,  # 70 is outside the vocabulary: ignored by the penalties
+        outputs=[[4, 4, 5]] * n,
+        generators=generators,
+        bad_words=[[[4, 9]]] + [[]] * (n - 1),
+        eos=[0],
+    )
+    sampled = Sampler().sample(torch.empty(n, vocab, device="meta"), batch)
+    assert sampled.token_ids.device.type == "meta" and sampled.token_ids.shape == (n,)
+    assert sampled.ranks is not None and sampled.ranks.shape == (1,)
+    assert not blocking, f"blocking host-to-device copies of shapes {blocking}"

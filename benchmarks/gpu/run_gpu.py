@@ -11,8 +11,10 @@
 3. ``throughput``: a model of Qwen3-0.6B's shape with random weights (written with transformers from
    a config, no download), 256 requests with random token prompts of 100-1024 tokens and outputs of
    100-1024 tokens, EOS ignored, seeded; output tokens per second of ``LLM.generate``.
-4. ``decode``: one decode step with 256 running requests: host work (input preparation, sampling,
-   scheduling and output processing) against the forward, with the device synchronised around each.
+4. ``decode``: decode steps with 256 running requests, in runs of consecutive steps with and without
+   scheduling ahead (``async_scheduling``), and broken down into host work (input preparation,
+   sampling, scheduling and output processing) against the forward, with the device synchronised
+   around each; the CPU-side share of a step is what the step takes beyond the forward and sampling.
 5. ``roofline``: the bytes a decode step must read (weights + KV cache) over the bandwidth of a large
    device-to-device copy, as a fraction of the measured step.
 6. ``hf``: transformers' continuous batching (the manager behind ``generate_batch``) on a subsample of
@@ -45,6 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -809,6 +812,33 @@ def patched(
             delattr(obj, name)
 
 
+def count_launch_syncs(engine: Any, device: torch.device, steps: int = 3) -> dict[str, Any] | None:
+    """Synchronising CUDA calls made while launching decode steps scheduled ahead (which should make
+    none: a launch only queues work), as ``torch.cuda.set_sync_debug_mode`` reports them."""
+    if device.type != "cuda":
+        return None
+    runner = engine.runner
+    messages: list[str] = []
+
+    def wrap(launch: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return launch(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    messages.extend(str(w.message).splitlines()[0] for w in caught)
+
+        return inner
+
+    with patched(runner, "launch", wrap):
+        for _ in range(steps):
+            engine.step()
+    return {"launches": steps, "warnings": len(messages), "first": messages[:3]}
+
+
 def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) -> dict[str, Any]:
     """Host work against the forward in decode steps with ``decode_running`` requests running."""
     from pagedllm import SamplingParams
@@ -845,14 +875,28 @@ def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) 
     def context_tokens() -> int:
         return sum(r.num_computed_tokens + 1 for r in sched.running)
 
-    # Plain steps, synchronised at step boundaries only.
-    plain: list[float] = []
-    for _ in range(settings.decode_steps):
+    default_async = engine.async_scheduling
+    contexts: list[int] = []
+
+    def steady_step(async_scheduling: bool) -> float:
+        """Seconds a step in a run of consecutive steps, no synchronisation inside the run."""
+        engine.async_scheduling = async_scheduling
+        for _ in range(2):  # the first step in a new mode also resolves a step left in flight
+            engine.step()
         synchronize(device)
+        contexts.append(context_tokens())
         t = time.perf_counter()
-        engine.step()
+        for _ in range(settings.decode_steps):
+            engine.step()
         synchronize(device)
-        plain.append(time.perf_counter() - t)
+        contexts.append(context_tokens())
+        return (time.perf_counter() - t) / settings.decode_steps
+
+    sync_step = steady_step(False)
+    async_step = steady_step(True)
+    launch_syncs = count_launch_syncs(engine, device)
+    engine.async_scheduling = False  # the breakdown below synchronises around every phase anyway
+    engine.step()
 
     timers: dict[str, list[float]] = {"prepare": [], "forward": [], "sample": [], "step": []}
 
@@ -872,9 +916,8 @@ def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) 
         return wrap
 
     graphs = runner.cuda_graphs
-    contexts: list[int] = []
     with (
-        patched(runner, "sampler", timed("sample")),
+        patched(runner.sampler, "sample", timed("sample")),
         patched(graphs or runner, "load_inputs" if graphs else "prepare_inputs", timed("prepare")),
         patched(graphs or runner.model, "replay" if graphs else "forward", timed("forward", True)),
         patched(runner.model, "compute_logits", timed("forward", True)),
@@ -886,6 +929,7 @@ def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) 
             engine.step()
             synchronize(device)
             timers["step"].append(time.perf_counter() - t)
+    engine.async_scheduling = default_async
     engine.abort_request(ids)
     engine.reset_prefix_cache()
 
@@ -894,15 +938,19 @@ def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) 
     prepare = sum(timers["prepare"]) / steps
     sample = sum(timers["sample"]) / steps
     step = mean(timers["step"])
+    device_work = forward + sample
     return {
         "num_running": num_running,
         "prompt_len": prompt_len,
         "cuda_graphs": graphs is not None,
+        "async_scheduling_default": default_async,
         "prefill_s": prefill_s,
         "steps_measured": steps,
         "mean_context_tokens": mean([float(c) for c in contexts]),
         "mean_context_per_request": mean([c / max(num_running, 1) for c in contexts]),
-        "plain_step_ms": 1e3 * mean(plain),
+        "plain_step_ms": 1e3 * (async_step if default_async else sync_step),
+        "sync_step_ms": 1e3 * sync_step,
+        "async_step_ms": 1e3 * async_step,
         "step_ms": 1e3 * step,
         "forward_ms": 1e3 * forward,
         "prepare_ms": 1e3 * prepare,
@@ -910,10 +958,15 @@ def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) 
         "other_host_ms": 1e3 * (step - forward - prepare - sample),
         "host_overhead_ms": 1e3 * (step - forward),
         "host_overhead_fraction": (step - forward) / step,
-        "output_tokens_per_s_at_this_batch": num_running / mean(plain),
-        "note": "prepare = inputs staged and copied; forward = graph replay or eager model + logits "
-        "(device synchronised before and after); sample = sampler; other = scheduling, output "
-        "processing, detokenization. plain_step_ms has no inner synchronisation.",
+        "sync_overhead_fraction": max(0.0, sync_step - device_work) / sync_step,
+        "async_overhead_fraction": max(0.0, async_step - device_work) / async_step,
+        "launch_sync_warnings": launch_syncs,
+        "output_tokens_per_s_at_this_batch": num_running / (async_step if default_async else sync_step),
+        "note": "sync_step_ms / async_step_ms: consecutive steps, no synchronisation inside, without and "
+        "with scheduling ahead. The breakdown synchronises around every phase: prepare = inputs staged "
+        "and copied; forward = graph replay or eager model + logits; sample = sampler; other = "
+        "scheduling, output processing, detokenization. *_overhead_fraction = (step - forward - "
+        "sample) / step: the share of a step the device is not running the forward or sampling.",
     }
 
 
@@ -1267,8 +1320,8 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(
             (
                 "decode",
-                f"step ms @{d['num_running']} running (plain / instrumented)",
-                f"{fmt(d['plain_step_ms'], 2)} / {fmt(d['step_ms'], 2)}",
+                f"step ms @{d['num_running']} running (sync / ahead / instrumented)",
+                f"{fmt(d['sync_step_ms'], 2)} / {fmt(d['async_step_ms'], 2)} / {fmt(d['step_ms'], 2)}",
             )
         )
         rows.append(
@@ -1281,8 +1334,17 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
             )
         )
         rows.append(
-            ("decode", "host overhead fraction of step", fmt(100 * d["host_overhead_fraction"]) + "%")
+            (
+                "decode",
+                "CPU-side share of step (sync / ahead)",
+                f"{fmt(100 * d['sync_overhead_fraction'])}% / {fmt(100 * d['async_overhead_fraction'])}%",
+            )
         )
+        syncs = d.get("launch_sync_warnings")
+        if syncs:
+            rows.append(
+                ("decode", "synchronising calls in launches", f"{syncs['warnings']} in {syncs['launches']}")
+            )
     else:
         rows.append(("decode", "status", status(d)))
     r = results.get("roofline")

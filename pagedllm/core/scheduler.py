@@ -22,11 +22,12 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
-    # True when this chunk reaches the end of the request's known tokens (a new token is sampled).
+    # True when this chunk reaches the end of the request's tokens (a new token is sampled).
     needs_sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.needs_sample = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        request = self.request
+        self.needs_sample = request.num_computed_tokens + self.num_tokens == request.num_tokens_with_pending
 
 
 @dataclass
@@ -53,6 +54,11 @@ class Scheduler:
     chunks), then waiting requests fill the remaining token budget, under ``max_num_seqs``. When
     blocks run out, the newest running request is preempted by recompute: its blocks are freed and
     it goes back to the front of ``waiting`` (its cached full blocks usually survive).
+
+    Scheduling ahead: a request may hold ``num_pending_tokens`` sampled by a step still in flight.
+    A running one then decodes its pending token (the model runner takes its id from the device),
+    unless those tokens already reach ``max_tokens``; a waiting one (preempted while in flight) is
+    not admitted until its pending token has reached the host.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -117,8 +123,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            if num_new <= 0 or (request.num_pending_tokens and request.reaches_length_with_pending):
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -141,7 +147,7 @@ class Scheduler:
             idx = 0
             while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[idx]
-                if request.waits_for_leader:
+                if request.waits_for_leader or request.num_pending_tokens:
                     idx += 1
                     continue
                 computed, num_cached = self.kv.get_computed_blocks(request)
@@ -165,9 +171,10 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
         out.scheduled.append(ScheduledRequest(request, num_tokens))
-        # Blocks this step fills are shared from now on (see KVCacheManager.cache_full_blocks).
+        # Blocks this step fills are shared from now on (see KVCacheManager.cache_full_blocks); a
+        # block ending in a pending token is registered by a later step, once its ids are known.
         out.newly_cached_blocks += self.kv.cache_full_blocks(
-            request, request.num_computed_tokens + num_tokens
+            request, min(request.num_computed_tokens + num_tokens, request.num_tokens)
         )
 
     def update_after_step(self, out: SchedulerOutput) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,12 +13,13 @@ import torch
 from pagedllm.attention.base import choose_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats, StepPhaseTimes
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
+from pagedllm.sample.sampler import SampledBatch
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -30,10 +32,33 @@ logger = logging.getLogger("pagedllm")
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling were launched: ``rows`` of ``scheduled.scheduled`` get the
+    tokens of ``sampled`` (still on the device until resolved)."""
+
+    scheduled: SchedulerOutput
+    rows: list[int]
+    sampled: SampledBatch | None
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled before this one's tokens reach the host."""
+        return all(self.scheduled.scheduled[r].request.can_sample_ahead for r in self.rows)
+
+
 class LLMEngine:
     """Owns the scheduler, the KV cache manager, the model runner and the output processor.
 
     Not thread-safe: one thread drives ``add_request``/``step``/``abort_request``.
+
+    With ``async_scheduling`` a step is scheduled and launched before the previous step's tokens are
+    on the host (at most one step is in flight): each ``step`` launches step k + 1, then resolves
+    step k (detokenization, stop checks, outputs) while the device computes. Requests in flight hold
+    ``num_pending_tokens``; one that finishes on a token found at resolution (EOS, a stop string)
+    has one more token computed by the step already launched, which is dropped. A step whose
+    requests need their latest token on the host to sample the next (see
+    ``Request.can_sample_ahead``) is resolved before the next is scheduled.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -52,6 +77,10 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or model_max
         self.device = resolve_device(config.device)
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        self._in_flight: LaunchedStep | None = None
         dtype = resolve_dtype(config.dtype, self.device)
         backend = choose_attention_backend(config.attention_backend, self.device, dtype)
         torch.manual_seed(config.seed)
@@ -256,45 +285,93 @@ class LLMEngine:
             child_ids = self.output_processor.child_ids(rid)
             self.scheduler.abort_requests(child_ids)
             self.output_processor.remove(rid)
+        self._settle()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the requests that progressed."""
+        """Schedule and run the model once; returns the requests that progressed.
+
+        With ``async_scheduling`` the outputs are those of the step launched by the previous call.
+        """
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if previous is not None and not previous.can_run_ahead:
+            outputs = self._resolve(previous)
+            previous = None
+        try:
+            launched = self._launch()
+        except BaseException:
+            self._in_flight = previous
+            raise
+        if previous is not None:
+            outputs += self._resolve(previous)
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+                self._settle()
+            else:
+                outputs += self._resolve(launched)
+        return outputs
+
+    def _settle(self) -> None:
+        """Resolve the step in flight once every request in it has finished (all its tokens would be
+        dropped), so that an engine without requests holds no step."""
+        step = self._in_flight
+        if step is not None and all(sr.request.is_finished for sr in step.scheduled.scheduled):
+            self._in_flight = None
+            self._resolve(step)
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule a step and launch its forward and sampling (None when nothing is scheduled)."""
         times = self.step_times
         started = time.perf_counter()
         so = self.scheduler.schedule()
         if so.is_empty:
-            return []
+            return None
         times.steps += 1
         times.schedule += time.perf_counter() - started
         try:
-            rows, sampled = self.runner.execute(so, times)
+            rows, sampled = self.runner.launch(so, times)
         except BaseException:
             self.kv.uncache(so.newly_cached_blocks)  # registered for content that was never written
             raise
-        finished_model = time.perf_counter()
         for sr in so.scheduled:
             start = sr.request.num_computed_tokens
             self.num_prompt_tokens += max(0, min(start + sr.num_tokens, sr.request.num_prompt_tokens) - start)
         self.scheduler.update_after_step(so)
+        for row in rows:
+            so.scheduled[row].request.num_pending_tokens += 1
+        return LaunchedStep(so, rows, sampled)
+
+    def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Bring a launched step's tokens to the host: stop checks, detokenization, outputs."""
+        if step.sampled is None:
+            return []
+        started = time.perf_counter()
+        sampled = step.sampled.output()  # waits for the device: counted with sampling
+        self.step_times.sample += time.perf_counter() - started
+        started = time.perf_counter()
         touched: dict[str, None] = {}
-        if sampled is not None:
-            for j, row in enumerate(rows):
-                req = so.scheduled[row].request
-                status = self.output_processor.process_token(
-                    req, sampled.token_ids[j], sampled.sampled_logprobs[j], sampled.logprobs[j]
-                )
-                self.num_generation_tokens += 1
-                if status is not None:
-                    self.scheduler.finish_request(req, status)
-                assert req.parent_id is not None
-                touched[req.parent_id] = None
+        scheduled = step.scheduled.scheduled
+        for j, row in enumerate(step.rows):
+            req = scheduled[row].request
+            req.num_pending_tokens -= 1
+            if req.is_finished:
+                continue  # finished (or aborted) while this step was in flight: its token is dropped
+            status = self.output_processor.process_token(
+                req, sampled.token_ids[j], sampled.sampled_logprobs[j], sampled.logprobs[j]
+            )
+            self.num_generation_tokens += 1
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+            assert req.parent_id is not None
+            touched[req.parent_id] = None
         outputs = []
         for pid in touched:
             parent = self.output_processor.parents.get(pid)
@@ -304,7 +381,7 @@ class LLMEngine:
             outputs.append(output)
             if output.finished:
                 self.output_processor.remove(pid)
-        times.outputs += time.perf_counter() - finished_model
+        self.step_times.outputs += time.perf_counter() - started
         return outputs
 
     # -- introspection ----------------------------------------------------------------------
@@ -325,6 +402,7 @@ class LLMEngine:
     def check_idle(self) -> None:
         """Assert no request is left and every KV block is free (cached or not)."""
         assert not self.scheduler.has_unfinished_requests(), "requests still queued"
+        assert self._in_flight is None, "a step is still in flight"
         assert not self.output_processor.parents, "request state left behind"
         self.kv.check_idle()
 

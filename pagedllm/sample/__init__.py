@@ -2,6 +2,7 @@
 
 from pagedllm.sample.penalties import apply_penalties, token_counts
 from pagedllm.sample.sampler import (
+    SampledBatch,
     Sampler,
     SamplerOutput,
     SamplingBatch,
@@ -12,6 +13,7 @@ from pagedllm.sample.sampler import (
 )
 
 __all__ = [
+    "SampledBatch",
     "Sampler",
     "SamplerOutput",
     "SamplingBatch",

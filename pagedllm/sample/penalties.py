@@ -9,6 +9,15 @@ import numpy as np
 import torch
 
 
+def device_tensor(
+    values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A tensor of host ``values`` on ``device``, copied without blocking the host: the copy is staged
+    at once and queued behind the device's work, so sampling can be queued while the device is
+    still busy with an earlier step."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def flatten_token_ids(
     token_ids: Sequence[Sequence[int]], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,9 +46,10 @@ def token_counts(
     rows, cols = flatten_token_ids(token_ids, device)
     counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
     if cols.numel():
+        # Out-of-vocabulary ids add 0 at index 0 (no boolean indexing: it would wait for the device).
         in_vocab = (cols >= 0) & (cols < vocab_size)
-        flat = (rows * vocab_size + cols)[in_vocab]
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        flat = torch.where(in_vocab, rows * vocab_size + cols, 0)
+        counts.scatter_add_(0, flat, in_vocab.to(torch.float32))
     return counts.view(num_rows, vocab_size)
 
 
@@ -73,12 +83,12 @@ def apply_penalties(
         seen = output_counts > 0
         prompt_counts = token_counts(prompt_token_ids, vocab_size, device)
         seen |= prompt_counts > 0
-        repetition = torch.tensor(repetition_penalties, dtype=logits.dtype).to(device)[:, None]
+        repetition = device_tensor(repetition_penalties, logits.dtype, device)[:, None]
         penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits.copy_(torch.where(seen, penalised, logits))
     if use_frequency:
-        frequency = torch.tensor(frequency_penalties, dtype=logits.dtype).to(device)[:, None]
+        frequency = device_tensor(frequency_penalties, logits.dtype, device)[:, None]
         logits.sub_(frequency * output_counts)
     if use_presence:
-        presence = torch.tensor(presence_penalties, dtype=logits.dtype).to(device)[:, None]
+        presence = device_tensor(presence_penalties, logits.dtype, device)[:, None]
         logits.sub_(presence * (output_counts > 0).to(logits.dtype))

@@ -28,7 +28,7 @@ import torch
 
 from pagedllm import layers_cpu
 from pagedllm.outputs import Logprob
-from pagedllm.sample.penalties import apply_penalties, flatten_token_ids
+from pagedllm.sample.penalties import apply_penalties, device_tensor, flatten_token_ids
 from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -86,6 +86,59 @@ class SamplerOutput:
     sampled_logprobs: list[float]
 
 
+@dataclass
+class SampledBatch:
+    """One step's sampling results, still where the logits were (see :meth:`Sampler.sample`).
+
+    Only :meth:`output` waits for the device. On a GPU, :meth:`copy_to_host` first queues the copies
+    to pinned host memory behind the sampling kernels, so that ``output`` waits for this step's work
+    alone, not for whatever the host queued on the device after it (the next step's forward).
+    """
+
+    token_ids: torch.Tensor  # [rows] int64
+    sampled_logprobs: torch.Tensor  # [rows] float32: raw log probability of each sampled token
+    params: Sequence[SamplingParams]
+    logprob_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    ranks: torch.Tensor | None = None  # [len(logprob_rows)]: 1-based rank of the sampled token
+    top_ids: torch.Tensor | None = None  # [len(logprob_rows), max k]
+    top_logprobs: torch.Tensor | None = None  # [len(logprob_rows), max k]
+    _copied: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        """Queue non-blocking copies of the results to pinned host memory (a no-op off CUDA)."""
+        if self.token_ids.device.type != "cuda" or self._copied is not None:
+            return
+        for name in ("token_ids", "sampled_logprobs", "ranks", "top_ids", "top_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                setattr(self, name, host.copy_(value, non_blocking=True))
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def output(self) -> SamplerOutput:
+        """The results as Python values (waits for the device)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_ids: list[int] = self.token_ids.tolist()
+        sampled: list[float] = self.sampled_logprobs.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+        if self.ranks is not None:
+            ranks: list[int] = self.ranks.tolist()
+            top_ids: list[list[int]] = self.top_ids.tolist() if self.top_ids is not None else []
+            top_lps: list[list[float]] = self.top_logprobs.tolist() if self.top_logprobs is not None else []
+            for j, i in enumerate(self.logprob_rows):
+                token = token_ids[i]
+                entry = {token: Logprob(logprob=sampled[i], rank=ranks[j])}
+                k = self.params[i].logprobs or 0
+                if k:
+                    for rank, (tid, lp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k], strict=True), 1):
+                        if tid != token:
+                            entry[tid] = Logprob(logprob=lp, rank=rank)
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, sampled_logprobs=sampled)
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one seeded request, on the device the logits live on."""
     generator = torch.Generator(device=device)
@@ -114,8 +167,8 @@ def filter_thresholds(
     ks = [k if 0 < k < vocab_size else vocab_size for k in top_k]
     needed = [k if p >= 1.0 else min(k, candidates) for k, p in zip(ks, top_p, strict=True)]
     width = min(max(max(needed, default=1), candidates, 1), vocab_size)
-    k_all = torch.tensor(ks, dtype=torch.int64).to(device)
-    p_all = torch.tensor(top_p, dtype=probs.dtype).to(device)
+    k_all = device_tensor(ks, torch.int64, device)
+    p_all = device_tensor(top_p, probs.dtype, device)
     thresholds = probs.new_zeros(num_rows)
     remaining: torch.Tensor | None = None  # rows still to settle; None: all of them
     while True:
@@ -173,7 +226,7 @@ def exponential_noise(
             noise.uniform_()
         else:
             unseeded = [i for i, g in enumerate(generators) if g is None]
-            index = torch.tensor(unseeded, dtype=torch.int64).to(device)
+            index = _index(unseeded, device)
             shared = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
             noise.index_copy_(0, index, shared.uniform_())
     for i in seeded:
@@ -183,7 +236,7 @@ def exponential_noise(
             noise[i].uniform_(generator=generator)
         else:
             draw = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
-            noise[i].copy_(draw.uniform_(generator=generator))
+            noise[i].copy_(draw.uniform_(generator=generator), non_blocking=True)
     return noise.log_().neg_()
 
 
@@ -237,7 +290,7 @@ def _row_needs_processing(batch: SamplingBatch, i: int) -> bool:
 
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    return device_tensor(rows, torch.int64, device)
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -281,7 +334,7 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> None:
             bias_tokens.extend(p.logit_bias.keys())
             bias_values.extend(p.logit_bias.values())
     if bias_rows:
-        values = torch.tensor(bias_values, dtype=logits.dtype).to(device)
+        values = device_tensor(bias_values, logits.dtype, device)
         logits.index_put_((_index(bias_rows, device), _index(bias_tokens, device)), values, accumulate=True)
 
     # allowed_token_ids: mask everything else.
@@ -325,7 +378,7 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> None:
     if ban_rows:
         logits.index_put_(
             (_index(ban_rows, device), _index(ban_tokens, device)),
-            torch.tensor(_NEG_INF, dtype=logits.dtype, device=device),
+            logits.new_full((), _NEG_INF),
         )
 
 
@@ -341,14 +394,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from ``logits`` (``[len(batch), vocab]``, any float dtype); the tensor is not modified."""
+        return self.sample(logits, batch).output()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledBatch:
+        """Sample without waiting for the device: the tokens and log probabilities stay on the
+        device (see :class:`SampledBatch`), so the host may go on while the device computes them."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}.")
         num_rows = logits.shape[0]
         batch.check(num_rows)
-        if num_rows == 0:
-            return SamplerOutput(token_ids=[], logprobs=[], sampled_logprobs=[])
         params = batch.params
         device = logits.device
+        if num_rows == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=device)
+            return SampledBatch(empty, empty.float(), params)
         raw = logits.float()  # the caller's tensor when already float32: never written to
 
         raw_max: torch.Tensor | None = None
@@ -394,11 +453,9 @@ class Sampler:
 
         if sampled_raw is None:
             sampled_raw = raw.gather(1, token_ids[:, None]).squeeze(1)
-        sampled_logprobs = sampled_raw - raw_logsumexp
-        token_list: list[int] = token_ids.tolist()
-        sampled_list: list[float] = sampled_logprobs.tolist()
-        logprobs = self._logprobs(raw, raw_logsumexp, sampled_raw, token_list, sampled_list, params)
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs, sampled_logprobs=sampled_list)
+        result = SampledBatch(token_ids, sampled_raw - raw_logsumexp, params)
+        _top_logprobs(result, raw, raw_logsumexp, sampled_raw)
+        return result
 
     def _sample_random(
         self,
@@ -415,7 +472,7 @@ class Sampler:
         device = logits.device
         temperatures = [p.temperature for p in params]
         if any(t != 1.0 for t in temperatures):
-            scale = torch.tensor(temperatures, dtype=logits.dtype).to(device)[:, None]
+            scale = device_tensor(temperatures, logits.dtype, device)[:, None]
             logits = logits.div_(scale) if owned else logits / scale
         probs = logits.softmax(dim=-1)
 
@@ -436,7 +493,7 @@ class Sampler:
         min_ps = [p.min_p for p in params]
         if any(m > 0.0 for m in min_ps):
             # Relative to the most likely token, so the top-k / top-p renormalisation does not matter.
-            min_p = torch.tensor(min_ps, dtype=probs.dtype).to(device)
+            min_p = device_tensor(min_ps, probs.dtype, device)
             min_p_thresholds = probs.amax(dim=-1) * min_p
             thresholds = (
                 min_p_thresholds if thresholds is None else torch.maximum(thresholds, min_p_thresholds)
@@ -449,40 +506,24 @@ class Sampler:
         noise = exponential_noise(num_rows, vocab_size, generators, device)
         return probs.div_(noise).max(dim=-1).indices
 
-    @staticmethod
-    def _logprobs(
-        raw: torch.Tensor,
-        raw_logsumexp: torch.Tensor,
-        sampled_raw: torch.Tensor,
-        token_ids: list[int],
-        sampled_logprobs: list[float],
-        params: Sequence[SamplingParams],
-    ) -> list[dict[int, Logprob] | None]:
-        """The sampled token and the top ``params[i].logprobs`` tokens of each requesting row."""
-        out: list[dict[int, Logprob] | None] = [None] * len(params)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not rows:
-            return out
-        vocab_size = raw.shape[-1]
-        all_rows = len(rows) == len(params)
-        index = None if all_rows else _index(rows, raw.device)
-        sub = raw if index is None else raw.index_select(0, index)
-        sub_sampled = sampled_raw if index is None else sampled_raw.index_select(0, index)
-        ranks: list[int] = ((sub > sub_sampled[:, None]).sum(dim=-1) + 1).tolist()
-        max_k = min(max(params[i].logprobs or 0 for i in rows), vocab_size)
-        top_ids: list[list[int]] = [[] for _ in rows]
-        top_lps: list[list[float]] = [[] for _ in rows]
-        if max_k > 0:
-            values, ids = sub.topk(max_k, dim=-1)
-            sub_lse = raw_logsumexp if index is None else raw_logsumexp.index_select(0, index)
-            top_ids = ids.tolist()
-            top_lps = (values - sub_lse[:, None]).tolist()
-        for j, i in enumerate(rows):
-            token = token_ids[i]
-            entry = {token: Logprob(logprob=sampled_logprobs[i], rank=ranks[j])}
-            k = params[i].logprobs or 0
-            for rank, (tid, lp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k], strict=True), start=1):
-                if tid != token:
-                    entry[tid] = Logprob(logprob=lp, rank=rank)
-            out[i] = entry
-        return out
+
+def _top_logprobs(
+    result: SampledBatch, raw: torch.Tensor, raw_logsumexp: torch.Tensor, sampled_raw: torch.Tensor
+) -> None:
+    """Rank of the sampled token and the top ``params[i].logprobs`` tokens of each requesting row,
+    computed on the device into ``result``."""
+    params = result.params
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return
+    vocab_size = raw.shape[-1]
+    index = None if len(rows) == len(params) else _index(rows, raw.device)
+    sub = raw if index is None else raw.index_select(0, index)
+    sub_sampled = sampled_raw if index is None else sampled_raw.index_select(0, index)
+    result.logprob_rows = rows
+    result.ranks = (sub > sub_sampled[:, None]).sum(dim=-1) + 1
+    max_k = min(max(params[i].logprobs or 0 for i in rows), vocab_size)
+    if max_k > 0:
+        values, result.top_ids = sub.topk(max_k, dim=-1)
+        sub_lse = raw_logsumexp if index is None else raw_logsumexp.index_select(0, index)
+        result.top_logprobs = values - sub_lse[:, None]

@@ -312,7 +312,10 @@ class CUDAGraphRunner:
             )
         reqs = [sr.request for sr in so.scheduled]
         positions = [r.num_computed_tokens for r in reqs]
-        token_ids = [r.all_token_ids[p] for r, p in zip(reqs, positions, strict=True)]
+        # A pending token (p == num_tokens) is written on the device by the model runner afterwards.
+        token_ids = [
+            r.all_token_ids[p] if p < r.num_tokens else 0 for r, p in zip(reqs, positions, strict=True)
+        ]
         # The previous step's copies must have read the staging buffers before they are rewritten.
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()

@@ -18,7 +18,7 @@ from pagedllm.model.cpu_linear import optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.outputs import Logprob
-from pagedllm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedllm.sample.sampler import SampledBatch, Sampler, SamplingBatch
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
@@ -55,6 +55,15 @@ class BatchInputs:
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sample_rows: list[int]  # indices into scheduler_output.scheduled of the sampled requests
     row_starts: list[int]  # first flat-batch row of each scheduled request
+
+
+@dataclass
+class PreviousTokens:
+    """Where the tokens sampled by the last launched step are, for a step scheduled ahead of them:
+    request id -> row of ``token_ids`` (on the device)."""
+
+    rows: dict[str, int]
+    token_ids: torch.Tensor
 
 
 class ModelRunner:
@@ -95,6 +104,7 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.cuda_graphs: CUDAGraphRunner | None = None
         self.native_decode: NativeDecodeLayers | None = None
+        self.previous_tokens: PreviousTokens | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -215,6 +225,8 @@ class ModelRunner:
             n = sr.num_tokens
             end = start + n
             ids.extend(req.all_token_ids[start:end])
+            if end > req.num_tokens:  # the last token is pending: filled in on the device
+                ids.append(0)
             table = req.block_ids
             if n == 1:
                 pos_chunks.append(np.array([start], dtype=np.int64))
@@ -246,14 +258,38 @@ class ModelRunner:
             query_lens_cpu=qlens,
             seq_lens_cpu=slens,
         )
+        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), dev)
+        self._fill_pending_tokens(so, input_ids, qsl[1:] - 1)
         return BatchInputs(
-            input_ids=to_device(torch.tensor(ids, dtype=torch.int64), dev),
+            input_ids=input_ids,
             positions=to_device(torch.from_numpy(np.concatenate(pos_chunks)), dev),
             meta=meta,
             logits_indices=to_device(torch.tensor(logits_idx, dtype=torch.int64), dev),
             sample_rows=sample_rows,
             row_starts=qsl[:-1].tolist(),
         )
+
+    def _fill_pending_tokens(
+        self, so: SchedulerOutput, input_ids: torch.Tensor, last_rows: np.ndarray
+    ) -> None:
+        """Write the ids of pending tokens, sampled by the previous step and still on the device, into
+        ``input_ids`` (``last_rows[i]``: the flat-batch row of scheduled request ``i``'s last token)."""
+        dst: list[int] = []
+        src: list[int] = []
+        for row, sr in enumerate(so.scheduled):
+            req = sr.request
+            if req.num_computed_tokens + sr.num_tokens > req.num_tokens:
+                previous = self.previous_tokens
+                assert previous is not None and req.request_id in previous.rows, "pending token not found"
+                dst.append(int(last_rows[row]))
+                src.append(previous.rows[req.request_id])
+        if dst:
+            assert self.previous_tokens is not None
+            tokens = self.previous_tokens.token_ids
+            index = to_device(torch.tensor(src, dtype=torch.int64), self.device)
+            input_ids.index_copy_(
+                0, to_device(torch.tensor(dst, dtype=torch.int64), self.device), tokens.index_select(0, index)
+            )
 
     # -- execution --------------------------------------------------------------------------
     def _forward(
@@ -280,6 +316,7 @@ class ModelRunner:
             return inputs, hidden, None
         n = len(so.scheduled)
         bucket = graphs.load_inputs(so)
+        self._fill_pending_tokens(so, graphs.input_ids, np.arange(n))
         prepared = time.perf_counter()
         times.prepare += prepared - started
         hidden, logits = graphs.replay(bucket)
@@ -329,17 +366,21 @@ class ModelRunner:
                 req.prompt_logprobs.append(entry)
 
     @torch.inference_mode()
-    def execute(
+    def launch(
         self, so: SchedulerOutput, times: StepPhaseTimes | None = None
-    ) -> tuple[list[int], SamplerOutput | None]:
-        """Run one step; returns (rows of ``so.scheduled`` that got a token, sampler output).
+    ) -> tuple[list[int], SampledBatch | None]:
+        """Run one step up to sampling without waiting for the device: returns (rows of
+        ``so.scheduled`` that get a token, their tokens still on the device; None when no row samples).
 
-        Phase times are added to ``times`` when given."""
+        Rows whose last token is pending (see :class:`pagedllm.core.scheduler.Scheduler`) read it
+        from the step launched before this one. Phase times are added to ``times`` when given.
+        """
         assert self.kv_cache is not None, "KV cache not allocated"
         times = times if times is not None else StepPhaseTimes()
         inputs, hidden, logits = self._forward(so, times)
         self._prompt_logprobs(so, inputs, hidden)
         if not inputs.sample_rows:
+            self.previous_tokens = None
             return [], None
         started = time.perf_counter()
         if logits is None:
@@ -359,6 +400,10 @@ class ModelRunner:
             bad_words_token_ids=[r.bad_words_token_ids for r in reqs],
             eos_token_ids=reqs[0].eos_token_ids,
         )
-        sampled = self.sampler(logits, batch)
+        sampled = self.sampler.sample(logits, batch)
+        self.previous_tokens = PreviousTokens(
+            {r.request_id: j for j, r in enumerate(reqs)}, sampled.token_ids
+        )
+        sampled.copy_to_host()
         times.sample += time.perf_counter() - sampling
         return inputs.sample_rows, sampled

@@ -1,0 +1,29 @@
+"""Prompts shared by the engine invariance tests: four with a common system prompt (prefix
+cache hits), the rest short and distinct."""
+
+SYSTEM = (
+    "You are a careful assistant. Answer briefly and precisely, and never invent facts. "
+    "When asked about numbers, show the arithmetic step by step before the answer. "
+)
+PROMPTS = [
+    SYSTEM + q
+    for q in (
+        "What is 12 times 7?",
+        "Name the largest planet.",
+        "Why is the sky blue?",
+        "Write a short greeting.",
+    )
+] + [
+    "The history of the printing press begins",
+    "import numpy as np\n\ndef softmax(x):",
+    "Roses are red,",
+    "In 1969, the first humans",
+    "A list of fruits: apple, banana,",
+    "The mitochondria is",
+    "Dear Sir or Madam,",
+    "SELECT name FROM users WHERE",
+    "La vie est",
+    "To be or not to be,",
+    "Step 1: preheat the oven.",
+    "The answer to life, the universe and everything is",
+]
