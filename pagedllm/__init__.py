@@ -6,7 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
@@ -21,6 +26,7 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "__version__",

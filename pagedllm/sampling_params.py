@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class RequestOutputKind(enum.Enum):
+    """Which ``RequestOutput`` snapshots a request produces while it runs."""
+
+    CUMULATIVE = 0  # one after every step that gave it a token, with everything so far (streaming)
+    FINAL_ONLY = 2  # only the final one (offline generation: no per-step snapshots to build)
 
 
 @dataclass
@@ -67,6 +75,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     best_of: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: extra token ids that end generation (the model's EOS ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -136,6 +145,8 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             if not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", f"must contain non-negative integers, got {t!r}.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}.")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import SamplingParams
+from pagedllm import RequestOutputKind, SamplingParams
 
 PROMPT = "Count from one to ten in words: one, two, three,"
 
@@ -106,3 +106,33 @@ def test_chat_and_token_prompts(default_llm):
     assert by_chat.prompt_token_ids == ids
     assert by_ids.outputs[0].token_ids == by_chat.outputs[0].token_ids
     assert by_ids.prompt is None and by_chat.prompt == text
+
+
+def test_final_only_outputs(default_llm):
+    """FINAL_ONLY requests give one output, the final one; cumulative requests one per step. The
+    offline API uses FINAL_ONLY without touching the caller's parameters."""
+    engine = default_llm.llm_engine
+    kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "final": RequestOutputKind.FINAL_ONLY}
+    for rid, kind in kinds.items():
+        engine.add_request(
+            rid, "Roses are red,", SamplingParams(temperature=0, max_tokens=8, n=2, seed=1, output_kind=kind)
+        )
+    seen: dict[str, list] = {rid: [] for rid in kinds}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    engine.check_idle()
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    steps = len(seen["cumulative"])  # 8 tokens each; the second sequence starts a step later
+    assert steps >= 8 and [o.finished for o in seen["cumulative"]] == [False] * (steps - 1) + [True]
+    final, cumulative = seen["final"][0], seen["cumulative"][-1]
+    assert [(c.token_ids, c.text) for c in final.outputs] == [
+        (c.token_ids, c.text) for c in cumulative.outputs
+    ]
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    (out,) = default_llm.generate("Roses are red,", params, use_tqdm=False)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    assert out.finished and out.outputs[0].token_ids == cumulative.outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final")

@@ -375,7 +375,7 @@ class LLMEngine:
         outputs = []
         for pid in touched:
             parent = self.output_processor.parents.get(pid)
-            if parent is None:
+            if parent is None or (parent.final_only and not parent.finished):
                 continue
             output = parent.output()
             outputs.append(output)

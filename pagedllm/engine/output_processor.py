@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -51,7 +52,7 @@ class ParentState:
     prompt_token_ids: list[int]
     arrival_time: float
     children: list[SequenceState] = field(default_factory=list)
-    reported_finished: bool = False
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no snapshots before the final one
 
     @property
     def finished(self) -> bool:
@@ -101,7 +102,13 @@ class OutputProcessor:
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         first = children[0]
-        parent = ParentState(parent_id, prompt, first.prompt_token_ids, first.arrival_time)
+        parent = ParentState(
+            parent_id,
+            prompt,
+            first.prompt_token_ids,
+            first.arrival_time,
+            final_only=first.params.output_kind is RequestOutputKind.FINAL_ONLY,
+        )
         for req in children:
             stops = req.params.stop or []
             seq = SequenceState(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from pagedllm.beam_search import BeamSearchOutput, beam_search
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -55,6 +56,14 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts."
                 )
+        # Only final outputs are returned, so no per-step snapshots are built (the caller's objects
+        # are left as they are).
+        final_only: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in final_only:
+                final_only[id(params)] = copy.copy(params)
+                final_only[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
+        params_list = [final_only[id(params)] for params in params_list]
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
