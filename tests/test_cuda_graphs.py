@@ -17,6 +17,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.config import ModelConfig
+from pagedllm.request import Request
+from pagedllm.worker.block_tables import BlockTableRows
 from pagedllm.worker.cuda_graphs import (
     CUDAGraphRunner,
     DecodeInputs,
@@ -75,7 +77,8 @@ def test_fill_decode_inputs_pads_rows_to_the_bucket() -> None:
     out.block_tables[:] = 77
     token_ids = [11, 12, 13]
     positions = [0, 5, 9]  # contexts of 1, 6 and 10 tokens
-    tables = [[7, 50], [3, 8, 60], [2, 4, 9, 70]]  # may hold more blocks than the context covers
+    # Rows may hold more blocks than the context covers (-1 here: never read).
+    tables = np.array([[7, 50, -1, -1], [3, 8, 60, -1], [2, 4, 9, 70]], dtype=np.int32)
     width = fill_decode_inputs(token_ids, positions, tables, bs, 4, out)
 
     assert width == 3  # position 9 is in logical block 2
@@ -95,14 +98,50 @@ def test_fill_decode_inputs_pads_rows_to_the_bucket() -> None:
 
 def test_fill_decode_inputs_full_bucket_and_errors() -> None:
     out = DecodeInputs.zeros(max_rows=2, max_blocks_per_seq=2)
-    width = fill_decode_inputs([5, 6], [16, 31], [[1, 2], [3, 4]], 16, 2, out)
+    width = fill_decode_inputs([5, 6], [16, 31], np.array([[1, 2], [3, 4]], dtype=np.int32), 16, 2, out)
     assert width == 2
     assert out.slot_mapping.tolist() == [2 * 16, 4 * 16 + 15]
     assert out.block_tables.reshape(2, 2).tolist() == [[1, 2], [3, 4]]
+    with pytest.raises(ValueError):  # more rows than the bucket
+        fill_decode_inputs([1, 2, 3], [0, 0, 0], np.zeros((3, 1), dtype=np.int32), 16, 2, out)
+    with pytest.raises(ValueError):  # table wider than the staging buffer
+        fill_decode_inputs([1], [40], np.array([[0, 1, 2]], dtype=np.int32), 16, 2, out)
+    with pytest.raises(ValueError):  # a table that does not cover the context
+        fill_decode_inputs([1], [20], np.array([[0]], dtype=np.int32), 16, 2, out)
+
+
+def _request(rid: str, blocks: list[int]) -> Request:
+    request = Request(rid, [1], SamplingParams(), max_tokens=1, eos_token_ids=[])
+    request.block_ids = blocks
+    return request
+
+
+def test_block_table_rows_follow_appends_frees_and_batch_changes() -> None:
+    rows = BlockTableRows(max_rows=3, max_blocks_per_seq=4)
+
+    def check(requests: list[Request]) -> None:
+        indices = rows.update(requests)
+        assert len(set(indices.tolist())) == len(requests) == len(rows)
+        for r, i in zip(requests, indices, strict=True):
+            assert rows.array[i, : len(r.block_ids)].tolist() == r.block_ids, r.request_id
+
+    a, b, c = _request("a", [5]), _request("b", [7, 8]), _request("c", [])
+    check([a, b])
+    row_a = rows.update([a, b])[0]
+    a.block_ids.append(9)  # a decode step filled a block: only the new id is copied
+    rows.array[row_a, 0] = -5  # (so a full rewrite would be noticed)
+    assert rows.update([a, b])[0] == row_a and rows.array[row_a, :2].tolist() == [-5, 9]
+    rows.array[row_a, 0] = 5
+    check([a, b])
+    a.block_ids = [1, 2]  # freed (preempted) and allocated again: a new list resets the row
+    check([a, b])
+    check([c, b, a])  # order changes keep rows; an empty table is fine
+    check([c])  # a and b leave: their rows are free again
+    d, e = _request("d", [3]), _request("e", [4, 4, 4, 4])
+    check([d, e, c])
+    check([a, b, d])  # c's row is taken back when every row is in use
     with pytest.raises(ValueError):
-        fill_decode_inputs([1, 2, 3], [0, 0, 0], [[0]] * 3, 16, 2, out)  # more rows than the bucket
-    with pytest.raises(ValueError):
-        fill_decode_inputs([1], [40], [[0, 1, 2]], 16, 2, out)  # table wider than the staging buffer
+        rows.update([a, b, c, d])
 
 
 def test_graph_memory_estimate_grows_with_the_batch() -> None:

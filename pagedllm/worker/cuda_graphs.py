@@ -22,6 +22,8 @@ What capture relies on:
 
 Inputs are staged in pinned host memory and copied with ``non_blocking=True``; an event recorded
 after the copies guards the staging buffers against being rewritten before the copies have run.
+Block tables are staged from :class:`~pagedllm.worker.block_tables.BlockTableRows`, which keeps
+each running request's table as a row updated with only the ids appended since the last step.
 
 On other devices nothing is captured: :meth:`CUDAGraphRunner.replay` runs the same forward eagerly
 over the static buffers, which exercises the bucketing, padding and static metadata without a GPU
@@ -43,6 +45,7 @@ from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
+from pagedllm.worker.block_tables import BlockTableRows
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class DecodeInputs:
 def fill_decode_inputs(
     token_ids: Sequence[int],
     positions: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    block_tables: np.ndarray,
     block_size: int,
     padded_rows: int,
     out: DecodeInputs,
@@ -106,27 +109,25 @@ def fill_decode_inputs(
     """Write a decode batch padded to ``padded_rows`` rows into ``out``; returns the block-table width.
 
     Row ``i`` computes ``token_ids[i]`` at ``positions[i]`` (its context is ``positions[i] + 1``
-    tokens long) with logical-to-physical block table ``block_tables[i]``; only the blocks its context
-    covers are copied. Padding rows get token 0, position 0, slot -1 (no KV write), a context of one
-    position and block 0 as their first block.
+    tokens long) with logical-to-physical block table ``block_tables[i]`` (a 2-D int32 array; entries
+    past a row's context are copied up to the width but never read). Padding rows get token 0,
+    position 0, slot -1 (no KV write), a context of one position and block 0 as their first block.
     """
     n = len(token_ids)
     if not 0 < n <= padded_rows or len(positions) != n or len(block_tables) != n:
         raise ValueError(f"cannot pad a batch of {n} rows to {padded_rows}.")
     bs = block_size
-    width = max(p // bs for p in positions) + 1
-    if padded_rows * width > out.block_tables.shape[0]:
+    pos = out.positions[:n]
+    pos[:] = positions
+    used = pos // bs + 1
+    width = int(used.max())
+    if padded_rows * width > out.block_tables.shape[0] or block_tables.shape[1] < width:
         raise ValueError(f"a block table {width} entries wide does not fit the staging buffer.")
     out.input_ids[:n] = token_ids
-    out.positions[:n] = positions
-    out.seq_lens[:n] = positions
-    out.seq_lens[:n] += 1
+    np.add(pos, 1, out=out.seq_lens[:n], casting="unsafe")
     tables = out.block_tables[: padded_rows * width].reshape(padded_rows, width)
-    slots = out.slot_mapping
-    for i, (pos, table) in enumerate(zip(positions, block_tables, strict=True)):
-        used = pos // bs + 1
-        tables[i, :used] = table[:used]
-        slots[i] = table[used - 1] * bs + pos % bs
+    tables[:n] = block_tables[:, :width]
+    out.slot_mapping[:n] = tables[np.arange(n), used - 1].astype(np.int64) * bs + pos % bs
     out.input_ids[n:padded_rows] = 0
     out.positions[n:padded_rows] = 0
     out.slot_mapping[n:padded_rows] = -1
@@ -204,6 +205,7 @@ class CUDAGraphRunner:
         self.staging.slot_mapping[:] = -1
         self.staging.seq_lens[:] = 1
         self._inputs_copied = torch.cuda.Event() if on_cuda else None
+        self.block_table_rows = BlockTableRows(rows, self.max_blocks_per_seq)
 
         self._metas: dict[int, AttentionMetadata] = {}
         self._contexts: dict[int, ForwardContext] = {}
@@ -319,8 +321,9 @@ class CUDAGraphRunner:
         # The previous step's copies must have read the staging buffers before they are rewritten.
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
+        rows = self.block_table_rows.update(reqs)
         width = fill_decode_inputs(
-            token_ids, positions, [r.block_ids for r in reqs], self.block_size, b, self.staging
+            token_ids, positions, self.block_table_rows.array[rows], self.block_size, b, self.staging
         )
         staged = self._staged
         self.input_ids[:b].copy_(staged["input_ids"][:b], non_blocking=True)
