@@ -24,9 +24,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED_STATUSES
+    def __init__(self, value: str) -> None:
+        # A plain attribute: read for every request every step (a set lookup would hash the member).
+        self.finished = value.startswith("finished")
 
     @property
     def finish_reason(self) -> str | None:
@@ -35,11 +35,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
-
-
-_FINISHED_STATUSES = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-)
 
 
 @dataclass
@@ -86,6 +81,14 @@ class Request:
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
+        p = self.params
+        self._reads_no_outputs = (
+            self.grammar is None
+            and not self.bad_words_token_ids
+            and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0
+        )
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
@@ -117,15 +120,7 @@ class Request:
         """Whether the next token may be sampled before the host has the latest one: nothing the
         sampler does for this request reads its output tokens (penalties, bad words, a grammar, a
         ``min_tokens`` not yet reached)."""
-        p = self.params
-        return (
-            self.grammar is None
-            and not self.bad_words_token_ids
-            and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0
-            and len(self.output_token_ids) >= p.min_tokens
-        )
+        return self._reads_no_outputs and len(self.output_token_ids) >= self.params.min_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import time
 from collections.abc import Iterable
@@ -30,6 +32,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedllm")
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def _freeze_startup_objects() -> None:
+    """``gc.freeze`` what exists now; unfrozen at exit, so that the interpreter's final collection
+    still releases it (native bindings report objects left uncollected)."""
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
+
+
+_unfreeze_registered = False
 
 
 @dataclass
@@ -110,6 +126,10 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.step_times = StepPhaseTimes()
         self.num_generation_tokens = 0
+        # The objects made so far (model, tokenizer, torch and transformers modules) live as long as
+        # the engine: keep them out of the collector's full passes, which the per-step objects of a
+        # few hundred running requests would otherwise trigger every few dozen steps.
+        _freeze_startup_objects()
         tokens = num_blocks * config.block_size
         logger.info(
             "Loaded %s on %s (%s, %s attention) in %.1fs. KV cache: %d blocks x %d tokens = %d tokens "
@@ -342,11 +362,13 @@ class LLMEngine:
             self.kv.uncache(so.newly_cached_blocks)  # registered for content that was never written
             raise
         for sr in so.scheduled:
-            start = sr.request.num_computed_tokens
-            self.num_prompt_tokens += max(0, min(start + sr.num_tokens, sr.request.num_prompt_tokens) - start)
+            req = sr.request
+            start = req.num_computed_tokens
+            if start < req.num_prompt_tokens:
+                self.num_prompt_tokens += min(start + sr.num_tokens, req.num_prompt_tokens) - start
+            if sr.needs_sample:  # the rows that get a token
+                req.num_pending_tokens += 1
         self.scheduler.update_after_step(so)
-        for row in rows:
-            so.scheduled[row].request.num_pending_tokens += 1
         return LaunchedStep(so, rows, sampled)
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
@@ -359,19 +381,23 @@ class LLMEngine:
         started = time.perf_counter()
         touched: dict[str, None] = {}
         scheduled = step.scheduled.scheduled
+        process_token = self.output_processor.process_token
+        now = time.monotonic()
+        generated = 0
         for j, row in enumerate(step.rows):
             req = scheduled[row].request
             req.num_pending_tokens -= 1
-            if req.is_finished:
+            if req.status.finished:
                 continue  # finished (or aborted) while this step was in flight: its token is dropped
-            status = self.output_processor.process_token(
-                req, sampled.token_ids[j], sampled.sampled_logprobs[j], sampled.logprobs[j]
+            generated += 1
+            status = process_token(
+                req, sampled.token_ids[j], sampled.sampled_logprobs[j], sampled.logprobs[j], now
             )
-            self.num_generation_tokens += 1
             if status is not None:
                 self.scheduler.finish_request(req, status)
             assert req.parent_id is not None
             touched[req.parent_id] = None
+        self.num_generation_tokens += generated
         outputs = []
         for pid in touched:
             parent = self.output_processor.parents.get(pid)

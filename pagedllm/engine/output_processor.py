@@ -137,10 +137,17 @@ class OutputProcessor:
         return [c.request.request_id for c in parent.children] if parent else []
 
     def process_token(
-        self, req: Request, token_id: int, logprob: float, top: dict[int, Logprob] | None
+        self,
+        req: Request,
+        token_id: int,
+        logprob: float,
+        top: dict[int, Logprob] | None,
+        now: float | None = None,
     ) -> RequestStatus | None:
-        """Append a sampled token; returns the finishing status if the sequence is done."""
-        now = time.monotonic()
+        """Append a sampled token (sampled at ``now``, by ``time.monotonic``); returns the finishing
+        status if the sequence is done."""
+        if now is None:
+            now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now

@@ -274,22 +274,25 @@ class ModelRunner:
     ) -> None:
         """Write the ids of pending tokens, sampled by the previous step and still on the device, into
         ``input_ids`` (``last_rows[i]``: the flat-batch row of scheduled request ``i``'s last token)."""
-        dst: list[int] = []
-        src: list[int] = []
-        for row, sr in enumerate(so.scheduled):
-            req = sr.request
-            if req.num_computed_tokens + sr.num_tokens > req.num_tokens:
-                previous = self.previous_tokens
-                assert previous is not None and req.request_id in previous.rows, "pending token not found"
-                dst.append(int(last_rows[row]))
-                src.append(previous.rows[req.request_id])
-        if dst:
-            assert self.previous_tokens is not None
-            tokens = self.previous_tokens.token_ids
-            index = to_device(torch.tensor(src, dtype=torch.int64), self.device)
-            input_ids.index_copy_(
-                0, to_device(torch.tensor(dst, dtype=torch.int64), self.device), tokens.index_select(0, index)
-            )
+        pending = [
+            i
+            for i, sr in enumerate(so.scheduled)
+            if sr.request.num_pending_tokens
+            and sr.request.num_computed_tokens + sr.num_tokens > sr.request.num_tokens
+        ]
+        if not pending:
+            return
+        previous = self.previous_tokens
+        assert previous is not None, "pending tokens without a previous step"
+        src = [previous.rows[so.scheduled[i].request.request_id] for i in pending]
+        n = len(pending)
+        if pending[-1] == n - 1 and last_rows[n - 1] == n - 1 and src == list(range(n)):
+            # Steady decode: request i of this step was row i of the last one and is flat row i now.
+            input_ids[:n].copy_(previous.token_ids[:n])
+            return
+        dst = to_device(torch.from_numpy(last_rows[pending].astype(np.int64)), self.device)
+        index = to_device(torch.tensor(src, dtype=torch.int64), self.device)
+        input_ids.index_copy_(0, dst, previous.token_ids.index_select(0, index))
 
     # -- execution --------------------------------------------------------------------------
     def _forward(
