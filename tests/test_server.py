@@ -400,6 +400,42 @@ def test_client_disconnect_frees_request(server: RemoteServer) -> None:
     assert settled(samples), samples
 
 
+@pytest.mark.slow
+def test_server_scheduling_ahead_gives_the_same_outputs(client: openai.OpenAI) -> None:
+    """A server that schedules each step before the previous one's tokens reach the host streams
+    and returns what the default server does, with stop strings, EOS and lengths, concurrently."""
+    requests: list[dict[str, Any]] = [
+        dict(prompt="1, 2, 3, 4,", max_tokens=12, stop=[" 7"]),
+        dict(prompt="Once upon a time", max_tokens=16),
+        dict(prompt="The capital of France is", max_tokens=24, stop=["."]),
+        dict(prompt="Roses are red,", max_tokens=9, extra_body={"ignore_eos": True}),
+    ]
+    expected = [client.completions.create(model=MODEL, temperature=0, **r).choices[0] for r in requests]
+    with RemoteServer([*SMALL_ENGINE_ARGS, "--served-model-name", MODEL, "--async-scheduling"]) as ahead:
+
+        async def one(aclient: openai.AsyncOpenAI, r: dict[str, Any]) -> tuple[str, str | None, str]:
+            full = (await aclient.completions.create(model=MODEL, temperature=0, **r)).choices[0]
+            stream = await aclient.completions.create(model=MODEL, temperature=0, stream=True, **r)
+            text, finish = "", None
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            assert finish == full.finish_reason
+            return full.text, full.finish_reason, text
+
+        async def main() -> list[tuple[str, str | None, str]]:
+            async with ahead.async_client() as aclient:
+                return await asyncio.gather(*(one(aclient, r) for r in requests * 4))
+
+        assert "scheduling ahead on" in ahead.log_tail(lines=1000)
+        results = asyncio.run(main())
+        for i, (text, finish, streamed) in enumerate(results):
+            e = expected[i % len(requests)]
+            assert (text, finish, streamed) == (e.text, e.finish_reason, e.text), i
+        idle = ahead.wait_for_metrics(lambda s: s["pagedllm:num_requests_running"] == 0, timeout=5)
+        assert idle["pagedllm:num_requests_running"] == 0 and idle["pagedllm:kv_cache_usage_perc"] == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # A second server: API key, a one-sequence batch with a one-request queue, then SIGTERM.
 # ------------------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class LLMEngine:
         tokens = num_blocks * config.block_size
         logger.info(
             "Loaded %s on %s (%s, %s attention) in %.1fs. KV cache: %d blocks x %d tokens = %d tokens "
-            "(%.0f MiB); maximum concurrency for %d-token requests: %.2fx",
+            "(%.0f MiB); maximum concurrency for %d-token requests: %.2fx; scheduling ahead %s",
             self.model_name,
             self.device,
             str(dtype).removeprefix("torch."),
@@ -145,6 +145,7 @@ class LLMEngine:
             num_blocks * self.runner.kv_bytes_per_block / 2**20,
             self.max_model_len,
             tokens / self.max_model_len,
+            "on" if self.async_scheduling else "off",
         )
 
     @classmethod
