@@ -41,9 +41,10 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated.
 
-    Invariants: ``num_computed_tokens <= num_tokens + num_pending_tokens``; the KV of tokens ``[0, num_computed_tokens)``
-    is in the blocks ``block_ids`` (logical block i -> physical block ``block_ids[i]``);
-    ``len(block_hashes)`` full blocks of it are registered in the prefix cache.
+    Invariants: ``num_computed_tokens <= num_tokens + num_pending_tokens``; the KV of tokens
+    ``[0, num_computed_tokens)`` is in the blocks ``block_ids`` (logical block i -> physical block
+    ``block_ids[i]``); ``len(block_hashes)`` full blocks of it are registered in the prefix cache,
+    all of them over known token ids.
     """
 
     request_id: str

@@ -60,10 +60,10 @@ class LLM:
         # are left as they are).
         final_only: dict[int, SamplingParams] = {}
         for params in params_list:
-            if id(params) not in final_only:
+            if isinstance(params, SamplingParams) and id(params) not in final_only:
                 final_only[id(params)] = copy.copy(params)
                 final_only[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
-        params_list = [final_only[id(params)] for params in params_list]
+        params_list = [final_only.get(id(params), params) for params in params_list]
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):

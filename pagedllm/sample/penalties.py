@@ -1,4 +1,5 @@
-"""Repetition, frequency and presence penalties, applied to a batch of logits with tensor ops."""
+"""Repetition, frequency and presence penalties, applied to a batch of logits with tensor ops, and
+the non-blocking host-to-device copy of per-row values the sampler shares."""
 
 from __future__ import annotations
 
