@@ -56,3 +56,28 @@ def test_deltas_add_up_to_the_decoded_output(streaming: bool, skip_special_token
         ]
         assert "".join(deltas) == expected
         assert not any(d.endswith("\ufffd") for d in deltas if d) or "\ufffd" in expected
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_tokens_in_one_call_equals_stepping(streaming: bool, skip_special_tokens: bool) -> None:
+    """The deferred path: all of a sequence's tokens in one call give the summed deltas, also when the
+    text ends in a partial character (the one call then holds everything back and steps instead)."""
+    tok = default_tokenizer()
+    used = tok if streaming else WindowOnly(tok)
+    partial = tok.encode("日本", add_special_tokens=False)
+    rng = random.Random(5)
+    cases = token_cases() + [[rng.randrange(len(tok)) for _ in range(60)] for _ in range(40)]
+    cases.append(list(tok.encode("Hello world", add_special_tokens=False)) + partial[:1])
+    ends_partial = 0
+    for ids in cases:
+        prompt, output = ids[:4], ids[4:]
+        stepped = IncrementalDetokenizer(used, prompt, skip_special_tokens)
+        expected = "".join(stepped.step(t) for t in output)
+        once = IncrementalDetokenizer(used, prompt, skip_special_tokens)
+        assert once.decode_tokens(output) == expected
+        full = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        ends_partial += full.endswith("\ufffd")
+        with pytest.raises(RuntimeError):
+            once.decode_tokens(output)
+    assert ends_partial > 0, "no case exercised a text ending in a partial character"

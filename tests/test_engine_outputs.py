@@ -109,30 +109,48 @@ def test_chat_and_token_prompts(default_llm):
 
 
 def test_final_only_outputs(default_llm):
-    """FINAL_ONLY requests give one output, the final one; cumulative requests one per step. The
-    offline API uses FINAL_ONLY without touching the caller's parameters."""
+    """FINAL_ONLY requests give one output, the final one, with the cumulative request's tokens and
+    text (their tokens are detokenized in one call at the end); cumulative requests give one output
+    per step. The offline API uses FINAL_ONLY without touching the caller's parameters."""
     engine = default_llm.llm_engine
-    kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "final": RequestOutputKind.FINAL_ONLY}
-    for rid, kind in kinds.items():
-        engine.add_request(
-            rid, "Roses are red,", SamplingParams(temperature=0, max_tokens=8, n=2, seed=1, output_kind=kind)
-        )
-    seen: dict[str, list] = {rid: [] for rid in kinds}
+    cases = [
+        ("Roses are red,", dict(temperature=0, max_tokens=8, n=2, seed=1)),
+        ("Write a haiku about the sea.", dict(temperature=0.9, seed=3, max_tokens=48)),  # varied text
+        (
+            engine.apply_chat_template([{"role": "user", "content": "Hello"}]),
+            dict(temperature=0, max_tokens=64),
+        ),
+        ("Count: one, two,", dict(temperature=0, max_tokens=30, stop_token_ids=[28])),  # "," ends it
+        ("Emoji party: ", dict(temperature=1.0, seed=9, max_tokens=40, skip_special_tokens=False)),
+    ]
+    seen: dict[str, list] = {}
+    for i, (prompt, kwargs) in enumerate(cases):
+        for kind in RequestOutputKind:
+            rid = f"{kind.name}-{i}"
+            seen[rid] = []
+            engine.add_request(rid, prompt, SamplingParams(output_kind=kind, **kwargs))
     while engine.has_unfinished_requests():
         for out in engine.step():
             seen[out.request_id].append(out)
     engine.check_idle()
-    assert len(seen["final"]) == 1 and seen["final"][0].finished
-    steps = len(seen["cumulative"])  # 8 tokens each; the second sequence starts a step later
-    assert steps >= 8 and [o.finished for o in seen["cumulative"]] == [False] * (steps - 1) + [True]
-    final, cumulative = seen["final"][0], seen["cumulative"][-1]
-    assert [(c.token_ids, c.text) for c in final.outputs] == [
-        (c.token_ids, c.text) for c in cumulative.outputs
-    ]
+    for i in range(len(cases)):
+        finals, cumulative = seen[f"FINAL_ONLY-{i}"], seen[f"CUMULATIVE-{i}"]
+        assert len(finals) == 1 and finals[0].finished
+        steps = len(cumulative)
+        assert steps >= 1 and [o.finished for o in cumulative] == [False] * (steps - 1) + [True]
+        got = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in finals[0].outputs]
+        assert got == [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in cumulative[-1].outputs]
+    assert len(seen["CUMULATIVE-0"]) >= 8  # one per step (the second sequence starts a step later)
+    ended = seen["FINAL_ONLY-2"][0].outputs[0]  # on EOS, which is not part of the text
+    assert ended.finish_reason == "stop" and ended.token_ids[-1] in engine.eos_token_ids
+    assert {c.finish_reason for i in range(len(cases)) for c in seen[f"FINAL_ONLY-{i}"][0].outputs} >= {
+        "length",
+        "stop",
+    }
 
     params = SamplingParams(temperature=0, max_tokens=8)
     (out,) = default_llm.generate("Roses are red,", params, use_tqdm=False)
     assert params.output_kind is RequestOutputKind.CUMULATIVE
-    assert out.finished and out.outputs[0].token_ids == cumulative.outputs[0].token_ids
+    assert out.finished and out.outputs[0].token_ids == seen["CUMULATIVE-0"][-1].outputs[0].token_ids
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="final")

@@ -27,6 +27,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._context = context
+        self._stepped = False
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream: Any = None
         # The streaming decoder does not apply transformers' clean-up of spaces before punctuation.
@@ -49,7 +51,27 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` fed to a detokenizer that has not been stepped yet: what
+        :meth:`step` would emit for them one by one, summed, in one call into the streaming decoder.
+
+        That call holds everything back when the whole text ends in a partial character; then the
+        tokens are stepped one by one after all (on a decoder primed afresh), which emits the text
+        up to the last complete character, as stepping would have.
+        """
+        if self._stepped:
+            raise RuntimeError("decode_tokens needs a detokenizer that has not been stepped yet.")
+        self._stepped = True
+        if self._stream is not None and token_ids:
+            text = self._stream.step(self._backend, token_ids)
+            if text is not None:
+                return str(text)
+            fresh = IncrementalDetokenizer(self.tokenizer, self._context, self.skip_special_tokens)
+            self._stream = fresh._stream
+        return "".join(self.step(t) for t in token_ids)
+
     def step(self, token_id: int) -> str:
+        self._stepped = True
         if self._stream is not None:
             return self._stream.step(self._backend, token_id) or ""
         self.tokens.append(token_id)

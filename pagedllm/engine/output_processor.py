@@ -14,12 +14,28 @@ from pagedllm.sampling_params import RequestOutputKind
 
 @dataclass
 class SequenceState:
-    """Text state of one generated sequence."""
+    """Text state of one generated sequence.
+
+    A sequence whose text nobody reads before it finishes (``FINAL_ONLY`` output, no stop strings, no
+    grammar) is ``deferred``: its tokens are detokenized in one call when its output is built.
+    ``num_text_tokens`` of its output tokens make its text (not a final EOS or stop token id), the
+    first ``num_decoded`` of them are in ``text``.
+    """
 
     request: Request
     detokenizer: IncrementalDetokenizer
     text: str = ""
     max_stop_len: int = 0
+    deferred: bool = False
+    num_text_tokens: int = 0
+    num_decoded: int = 0
+
+    def flush_text(self) -> None:
+        """Detokenize the deferred tokens."""
+        if self.num_text_tokens > self.num_decoded:
+            ids = self.request.output_token_ids[self.num_decoded : self.num_text_tokens]
+            self.text += self.detokenizer.decode_tokens(ids)
+            self.num_decoded = self.num_text_tokens
 
     def visible_text(self) -> str:
         """The text so far, holding back a possible partial stop string while unfinished."""
@@ -30,6 +46,8 @@ class SequenceState:
         return self.text[:-hold] if len(self.text) > hold else ""
 
     def completion(self) -> CompletionOutput:
+        if self.deferred:
+            self.flush_text()
         req = self.request
         reason = req.status.finish_reason if req.is_finished else None
         return CompletionOutput(
@@ -117,6 +135,7 @@ class OutputProcessor:
                     self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
                 ),
                 max_stop_len=max((len(s) for s in stops), default=0),
+                deferred=parent.final_only and not stops and req.grammar is None,
             )
             parent.children.append(seq)
             self.sequences[req.request_id] = seq
@@ -176,8 +195,9 @@ class OutputProcessor:
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
 
-        delta = seq.detokenizer.step(token_id)
-        if delta:
+        if seq.deferred:
+            seq.num_text_tokens = n_out
+        elif delta := seq.detokenizer.step(token_id):
             old_len = len(seq.text)
             seq.text += delta
             if min_ok and params.stop:
