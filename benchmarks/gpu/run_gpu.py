@@ -840,8 +840,11 @@ def count_launch_syncs(engine: Any, device: torch.device, steps: int = 3) -> dic
 
 
 def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) -> dict[str, Any]:
-    """Host work against the forward in decode steps with ``decode_running`` requests running."""
-    from pagedllm import SamplingParams
+    """Host work against the forward in decode steps with ``decode_running`` requests running.
+
+    The requests return only their final output, as those of ``LLM.generate`` (the throughput
+    workload) do."""
+    from pagedllm import RequestOutputKind, SamplingParams
 
     engine = llm.llm_engine
     runner = engine.runner
@@ -857,7 +860,10 @@ def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) 
             rid,
             [rng.randrange(vocab) for _ in range(prompt_len)],
             SamplingParams(
-                temperature=temperature, max_tokens=settings.max_model_len - prompt_len, ignore_eos=True
+                temperature=temperature,
+                max_tokens=settings.max_model_len - prompt_len,
+                ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
             ),
         )
     sched = engine.scheduler
