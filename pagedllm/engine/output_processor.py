@@ -31,10 +31,11 @@ class SequenceState:
     num_decoded: int = 0
 
     def flush_text(self) -> None:
-        """Detokenize the deferred tokens."""
+        """Detokenize the deferred tokens (in one call the first time, as one usually suffices)."""
         if self.num_text_tokens > self.num_decoded:
             ids = self.request.output_token_ids[self.num_decoded : self.num_text_tokens]
-            self.text += self.detokenizer.decode_tokens(ids)
+            detok = self.detokenizer
+            self.text += detok.decode_tokens(ids) if not self.num_decoded else "".join(map(detok.step, ids))
             self.num_decoded = self.num_text_tokens
 
     def visible_text(self) -> str:
