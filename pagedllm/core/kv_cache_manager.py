@@ -110,9 +110,9 @@ class KVCacheManager:
         same forward after they are written (every layer writes K/V before attending). Should the
         forward fail, :meth:`uncache` takes them back.
         """
-        if not self.enable_caching:
-            return []
         num_full = (request.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
+        if not self.enable_caching or num_full <= len(request.block_hashes):
+            return []  # nothing new (most decode steps)
         parent = request.block_hashes[-1] if request.block_hashes else _ROOT_HASH
         registered = []
         for i in range(len(request.block_hashes), num_full):

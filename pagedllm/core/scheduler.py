@@ -174,8 +174,7 @@ class Scheduler:
         # Blocks this step fills are shared from now on (see KVCacheManager.cache_full_blocks); a
         # block ending in a pending token is registered by a later step, once its ids are known.
         known = min(request.num_computed_tokens + num_tokens, request.num_tokens)
-        if self.kv.enable_caching and known // self.kv.block_size > len(request.block_hashes):
-            out.newly_cached_blocks += self.kv.cache_full_blocks(request, known)
+        out.newly_cached_blocks += self.kv.cache_full_blocks(request, known)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts after the step's forward ran."""

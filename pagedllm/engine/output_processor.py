@@ -162,12 +162,10 @@ class OutputProcessor:
         token_id: int,
         logprob: float,
         top: dict[int, Logprob] | None,
-        now: float | None = None,
+        now: float,
     ) -> RequestStatus | None:
         """Append a sampled token (sampled at ``now``, by ``time.monotonic``); returns the finishing
         status if the sequence is done."""
-        if now is None:
-            now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
