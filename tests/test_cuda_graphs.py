@@ -317,6 +317,8 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
     assert (
         results["kernels"]["passed"] and results["kernels"]["num_passed"] == results["kernels"]["num_cases"]
     )
+    thresholds = next(c for c in results["kernels"]["cases"] if c["name"] == "top-k/top-p thresholds")
+    assert thresholds["ok"] and thresholds["rows_differing_in_kept_count"] == 0
     assert results["equivalence"]["vs_hf"]["passed"]
     assert results["equivalence"]["graphs_vs_eager"]["status"] == "skipped"
     throughput = results["throughput"]

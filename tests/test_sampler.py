@@ -227,6 +227,30 @@ def test_filter_thresholds_match_a_full_sort(seed: int, scale: float, rows: list
         for i in range(len(rows)):
             alone = filter_thresholds(probs[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], candidates)
             assert alone.item() == got[i].item()
+    # The GPU's way (interpreted here): rows the first candidate set leaves open settled by a kernel.
+    got = filter_thresholds(probs, top_k, top_p, candidates=4, settle_on_device=True)
+    assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-9)
+
+
+def test_thresholds_settled_on_the_device_match_a_full_sort() -> None:
+    """The path GPUs take: rows the first candidate set leaves open are settled by the Triton kernel
+    (interpreted here) instead of being read back and retried. Flat rows, top-k sets wider than the
+    candidates with and without top-p, tied values, a vanishing tail and settled rows left alone."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(7)
+    scales = [0.02, 0.5, 2.0, 6.0, 0.5, 1.0, 1.0, 0.3]
+    logits = torch.randn(len(scales), vocab, generator=gen) * torch.tensor(scales)[:, None]
+    logits[5] = torch.where(torch.arange(vocab) % 3 == 0, 2.0, -1.0)  # thirds of tied values
+    logits[6, 100:] = -200.0  # a tail of exact zeros after the softmax
+    probs = logits.softmax(dim=-1)
+    top_k = [0, 0, 0, 1500, 700, 1200, 0, 2]
+    top_p = [0.9, 0.95, 0.5, 1.0, 0.8, 0.7, 0.999, 1.0]
+    expected = naive_thresholds(probs, top_k, top_p)
+    for candidates in (4, 128):
+        got = filter_thresholds(probs, top_k, top_p, candidates=candidates, settle_on_device=True)
+        assert torch.allclose(got.double(), expected, rtol=1e-5, atol=0.0), (candidates, got, expected)
+        kept = (probs >= got[:, None]).sum(dim=-1)
+        assert kept.tolist() == (probs >= expected.float()[:, None]).sum(dim=-1).tolist()
 
 
 def test_unfiltered_rows_are_unaffected_by_other_rows_filters() -> None:
@@ -536,10 +560,11 @@ def test_sampling_queues_work_without_waiting_for_the_device(monkeypatch: pytest
         return out
 
     monkeypatch.setattr(torch.Tensor, "to", checked_to)
-    vocab = 64
+    vocab = 1000  # wider than the 128 candidates top-p looks at first
     params = [
         SamplingParams(temperature=0),
-        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=300, top_p=0.8),
         SamplingParams(temperature=1.0, top_k=5, min_p=0.1),
         SamplingParams(temperature=0.9, seed=3),
         SamplingParams(temperature=0, logit_bias={3: 2.0, 9: -1.0}, logprobs=2),

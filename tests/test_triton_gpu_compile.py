@@ -52,6 +52,11 @@ def test_engine_kernels_compile_for_h200(tmp_path: Path) -> None:
     assert report["target"]["compute_capability"] == 90
     max_shared = report["target"]["max_shared_bytes"]
     cases = {(case["model"], case["dtype"]): case for case in report["cases"]}
+    # Sampling's kernel: top-p rows the first candidate set leaves open are settled on the device.
+    sampler = cases.pop(("sampler", "float32"))
+    assert [v["kernel"] for v in sampler["variants"]] == ["_settle_thresholds_kernel"]
+    assert [x["grid"] for x in sampler["launches"]] == [[192]]  # a program per filtered row (3 in 4)
+    assert all(v["local_bytes"] == 0 for v in sampler["variants"] if "local_bytes" in v)
     assert set(cases) == {(m, d) for m in ("qwen3-0.6b", "default") for d in ("bfloat16", "float32")}
     assert all(kernel in proc.stdout for kernel in KERNELS)  # the printed table
 

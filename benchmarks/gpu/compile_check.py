@@ -6,7 +6,8 @@ sm_90 down to the cubin instead of running:
 
 * decode steps as CUDA graphs run them: one forward per batch-size bucket (1, 2, 4, 8, 16, ... up to
   ``--max-num-seqs``), with the launch configuration fixed for any context up to ``--max-model-len``;
-* one eager mixed step: prompt chunks (one after a cached prefix) and decodes.
+* one eager mixed step: prompt chunks (one after a cached prefix) and decodes;
+* one sampling step of ``--max-num-seqs`` rows with top-k / top-p filters over Qwen3's vocabulary.
 
 A compile error, a variant needing more shared memory than an H200 block has, or a host read of
 device data in the forward (a meta tensor's ``.item()`` raises) fails the run. The report lists each
@@ -41,6 +42,8 @@ from pagedllm.attention.base import AttentionMetadata  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.model.config import ModelConfig  # noqa: E402
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
+from pagedllm.sample import Sampler, SamplingBatch  # noqa: E402
+from pagedllm.sampling_params import SamplingParams  # noqa: E402
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
 
 META = torch.device("meta")
@@ -119,6 +122,54 @@ def check_model(
         first = len(launches)
         model(tokens, tokens, ForwardContext(meta, kv_caches, TritonAttentionBackend()))
         mixed = [launch_record(x) for x in launches[first:]]
+    return {
+        "model": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "max_model_len": max_model_len,
+        "buckets": buckets,
+        "mixed": mixed,
+        "variants": variant_records(launches),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def check_sampler(spec: triton_aot.GPUSpec, num_rows: int, vocab_size: int) -> dict[str, Any]:
+    """Compile what sampling launches on the GPU: top-p rows left open by the first candidate set
+    are settled by a Triton kernel (nothing read back, which a meta tensor would refuse)."""
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=1000, top_p=0.95),
+        SamplingParams(temperature=0.8, top_k=20),
+        SamplingParams(temperature=0.0),
+    ]
+    rows = [params[i % len(params)] for i in range(num_rows)]
+    batch = SamplingBatch(
+        params=rows,
+        prompt_token_ids=[[1, 2, 3]] * num_rows,
+        output_token_ids=[[4]] * num_rows,
+        generators=[None] * num_rows,
+    )
+    started = time.perf_counter()
+    with triton_aot.compile_for(spec) as launches:
+        sampled = Sampler().sample(torch.empty(num_rows, vocab_size, device=META), batch)
+    if sampled.token_ids.shape != (num_rows,):
+        raise AssertionError(f"sampler: tokens {tuple(sampled.token_ids.shape)}")
+    return {
+        "model": "sampler",
+        "dtype": "float32",
+        "num_rows": num_rows,
+        "vocab_size": vocab_size,
+        "launches": [launch_record(x) for x in launches],
+        "variants": variant_records(launches),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def variant_records(launches: list[triton_aot.CompiledLaunch]) -> list[dict[str, Any]]:
+    """One record per distinct (kernel, constants): tiling, resources and code features."""
     variants: dict[tuple[str, str], dict[str, Any]] = {}
     for launch in launches:
         key = (launch.kernel, json.dumps(launch.constants, sort_keys=True))
@@ -132,18 +183,7 @@ def check_model(
                 **(triton_aot.resource_usage(launch) or {}),
                 **code_features(launch.asm["ttgir"]),
             }
-    return {
-        "model": name,
-        "dtype": str(dtype).removeprefix("torch."),
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "max_model_len": max_model_len,
-        "buckets": buckets,
-        "mixed": mixed,
-        "variants": list(variants.values()),
-        "seconds": round(time.perf_counter() - started, 2),
-    }
+    return list(variants.values())
 
 
 def code_features(ttgir: str) -> dict[str, Any]:
@@ -160,7 +200,16 @@ def code_features(ttgir: str) -> dict[str, Any]:
 
 
 def format_table(cases: list[dict[str, Any]]) -> str:
-    tiling_keys = ("BLOCK_M", "TILE_N", "NUM_SPLITS", "DECODE_ONLY", "BLOCK", "BLOCK_C", "BLOCK_H")
+    tiling_keys = (
+        "BLOCK_M",
+        "TILE_N",
+        "NUM_SPLITS",
+        "DECODE_ONLY",
+        "BLOCK",
+        "BLOCK_C",
+        "BLOCK_H",
+        "NUM_PROBES",
+    )
     lines = [
         f"{'case':22} {'kernel':24} {'tiling':52} {'smem B':>7} {'regs':>5} {'spill B':>7} "
         f"{'cp.async':>8} {'dot':>5}"
@@ -191,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             if dtype_name not in DTYPES:
                 parser.error(f"--dtypes: unknown dtype {dtype_name!r} ({', '.join(DTYPES)}).")
             cases.append(check_model(name, DTYPES[dtype_name], spec, args.max_num_seqs, args.max_model_len))
+    cases.append(check_sampler(spec, args.max_num_seqs, QWEN3_0_6B.vocab_size))
     report = {
         "target": dataclasses.asdict(spec),
         "triton": triton.__version__,

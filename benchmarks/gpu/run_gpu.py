@@ -2,8 +2,8 @@
 """pagedllm's GPU checks and benchmarks, all in one run.
 
 1. ``kernels``: the Triton kernels (paged attention on mixed and padded decode batches, KV writes,
-   RMSNorm, fused add + RMSNorm, SiLU-and-mul) against torch references on random shapes. Unused
-   cache slots hold NaN, and a NaN anywhere in an output fails its case.
+   RMSNorm, fused add + RMSNorm, SiLU-and-mul, top-k / top-p thresholds) against torch references on
+   random shapes. Unused cache slots hold NaN, and a NaN anywhere in an output fails its case.
 2. ``equivalence``: greedy generations of the default model (or ``--model``) against Hugging Face
    transformers on the same weights and dtype, by the logprob-close rule: identical, or at the first
    differing token each side's token is among the other's top-5; then the same comparison between
@@ -493,6 +493,69 @@ def run_elementwise_cases(device: torch.device, seed: int, scale: str) -> list[t
     return out
 
 
+def run_threshold_case(device: torch.device, seed: int, scale: str) -> dict[str, Any]:
+    """Top-k / top-p thresholds settled on the device by the Triton kernel against the CPU's
+    candidate-widening search, on rows that mostly reach past the first candidate set (flat rows
+    with high top-p, top-k sets wider than the candidates); with the time of the whole filter."""
+    from pagedllm.sample import filter_thresholds
+
+    rows, vocab = (6, 3000) if scale == "tiny" else (256, 151936)
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.05, 0.5, 1.0, 2.0, 4.0, 8.0]).repeat(rows)[:rows]
+    probs = (torch.randn(rows, vocab, generator=gen) * scales[:, None]).softmax(dim=-1)
+    top_k = [(0, 0, 1000, 500, 0, 50)[i % 6] for i in range(rows)]
+    top_p = [(0.9, 0.95, 0.8, 1.0, 0.5, 0.99)[i % 6] for i in range(rows)]
+    expected = filter_thresholds(probs, top_k, top_p, settle_on_device=False)
+    on_device = probs.to(device)
+    got = filter_thresholds(on_device, top_k, top_p, settle_on_device=True).cpu()
+    kept_expected = (probs >= expected[:, None]).sum(dim=-1)
+    kept_got = (probs >= got[:, None]).sum(dim=-1)
+    result: dict[str, Any] = {
+        "ok": bool(torch.isfinite(got).all()) and torch.allclose(got, expected, rtol=1e-5, atol=0.0),
+        "rows": rows,
+        "vocab": vocab,
+        "rows_differing_in_kept_count": int((kept_got != kept_expected).sum()),
+        "max_kept_count_difference": int((kept_got - kept_expected).abs().max()),
+    }
+    if device.type == "cuda":
+        for _ in range(2):
+            filter_thresholds(on_device, top_k, top_p)
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(10):
+            filter_thresholds(on_device, top_k, top_p)
+        torch.cuda.synchronize(device)
+        result["filter_ms"] = 1e3 * (time.perf_counter() - t) / 10
+        try:
+            result["sampler_syncs"] = sampler_syncs(on_device.log(), top_k, top_p)
+        except Exception as exc:  # noqa: BLE001 - a measurement, not a check: keep the other cases
+            result["sampler_syncs"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return result
+
+
+def sampler_syncs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> dict[str, Any]:
+    """Synchronising CUDA calls made while sampling rows with top-k / top-p (and, on some rows,
+    min-p, seeds and logprobs): none expected, so sampling can be queued ahead of the device."""
+    from pagedllm.sample import Sampler, SamplingBatch, make_generator
+    from pagedllm.sampling_params import SamplingParams
+
+    rows = logits.shape[0]
+    params = [
+        SamplingParams(temperature=0.8, top_k=k, top_p=p, min_p=0.01 * (i % 2), logprobs=i % 3 or None)
+        for i, (k, p) in enumerate(zip(top_k, top_p, strict=True))
+    ]
+    generators = [make_generator(i, logits.device) if i % 4 == 0 else None for i in range(rows)]
+    batch = SamplingBatch(params, [[1]] * rows, [[2]] * rows, generators)
+    sampler = Sampler()
+    sampler.sample(logits, batch).output()  # warm-up: pinned buffers, kernel compilation
+    messages: list[str] = []
+    with sync_warnings(messages):
+        sampled = sampler.sample(logits, batch)
+        sampled.copy_to_host()
+    sampled.output()
+    return {"count": len(messages), "first": messages[:3]}
+
+
 def section_kernels(settings: Settings, device: torch.device, seed: int) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -504,6 +567,9 @@ def section_kernels(settings: Settings, device: torch.device, seed: int) -> dict
         cases.append({"name": f"write_kv {str(dtype).removeprefix('torch.')}", **result})
     for name, result in run_elementwise_cases(device, seed, settings.kernel_scale):
         cases.append({"name": name, **result})
+    cases.append(
+        {"name": "top-k/top-p thresholds", **run_threshold_case(device, seed, settings.kernel_scale)}
+    )
     failed = [c["name"] for c in cases if not c["ok"]]
     return {
         "passed": not failed,
@@ -812,6 +878,20 @@ def patched(
             delattr(obj, name)
 
 
+@contextmanager
+def sync_warnings(messages: list[str]) -> Iterator[None]:
+    """Append to ``messages`` the first line of every synchronising CUDA call made inside (as
+    ``torch.cuda.set_sync_debug_mode`` reports them)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            messages.extend(str(w.message).splitlines()[0] for w in caught)
+
+
 def count_launch_syncs(engine: Any, device: torch.device, steps: int = 3) -> dict[str, Any] | None:
     """Synchronising CUDA calls made while launching decode steps scheduled ahead (which should make
     none: a launch only queues work), as ``torch.cuda.set_sync_debug_mode`` reports them."""
@@ -822,14 +902,8 @@ def count_launch_syncs(engine: Any, device: torch.device, steps: int = 3) -> dic
 
     def wrap(launch: Callable[..., Any]) -> Callable[..., Any]:
         def inner(*args: Any, **kwargs: Any) -> Any:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    return launch(*args, **kwargs)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                    messages.extend(str(w.message).splitlines()[0] for w in caught)
+            with sync_warnings(messages):
+                return launch(*args, **kwargs)
 
         return inner
 
@@ -1262,6 +1336,20 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"{k['num_passed']}/{k['num_cases']}" if k and "num_cases" in k else status(k),
         )
     )
+    thresholds = (
+        next((c for c in k.get("cases", []) if c["name"] == "top-k/top-p thresholds"), None) if k else None
+    )
+    if thresholds and "filter_ms" in thresholds:
+        rows.append(
+            ("kernels", f"top-k/top-p filter ms ({thresholds['rows']} rows)", fmt(thresholds["filter_ms"], 3))
+        )
+        rows.append(
+            (
+                "kernels",
+                "syncs sampling top-k/top-p rows",
+                str(thresholds["sampler_syncs"].get("count", thresholds["sampler_syncs"].get("error"))),
+            )
+        )
     e = results.get("equivalence")
     if e and "vs_hf" in e:
         v = e["vs_hf"]

@@ -147,7 +147,11 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 def filter_thresholds(
-    probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], candidates: int = 128
+    probs: torch.Tensor,
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    candidates: int = 128,
+    settle_on_device: bool | None = None,
 ) -> torch.Tensor:
     """Per-row probability threshold of top-k then top-p: tokens with ``prob >= threshold`` stay.
 
@@ -161,6 +165,10 @@ def filter_thresholds(
     most likely tokens (``k`` capped at ``candidates`` for top-p rows), and only rows whose nucleus is
     not inside them retry with 16 times as many, then with the full vocabulary. The result of a row
     depends on that row alone.
+
+    Finding those rows reads a flag back from the device. With ``settle_on_device`` (the default off
+    the CPU) nothing is read back: a Triton kernel settles the rows the first candidate set left
+    open on the device, see :mod:`pagedllm.sample.threshold_kernel`.
     """
     num_rows, vocab_size = probs.shape
     device = probs.device
@@ -196,6 +204,11 @@ def filter_thresholds(
             done = (k <= width) | ((k == vocab_size) & (cumulative[:, -1] >= p * mass))
         if remaining is None:
             thresholds = rows_thresholds if done is None else torch.where(done, rows_thresholds, thresholds)
+            if done is not None and (device.type != "cpu" if settle_on_device is None else settle_on_device):
+                from pagedllm.sample.threshold_kernel import settle_thresholds  # needs triton
+
+                settle_thresholds(probs.contiguous(), k_all, p_all, done, thresholds)
+                return thresholds
         elif done is None:
             thresholds.index_copy_(0, remaining, rows_thresholds)
         else:
@@ -386,7 +399,8 @@ class Sampler:
     """Samples one token per row from last-position logits (see the module docstring for the order).
 
     ``top_p_candidates`` is how many of the most likely tokens top-p first looks at before falling
-    back to larger candidate sets (and finally a full sort), see :func:`filter_thresholds`.
+    back to larger candidate sets and finally a full sort (on the CPU) or to a Triton kernel over
+    the whole row (elsewhere), see :func:`filter_thresholds`.
     """
 
     def __init__(self, top_p_candidates: int = 128) -> None:
