@@ -104,7 +104,7 @@ class EngineMetrics:
         ).labels(model_name)
         self.inter_token_latency = Histogram(
             PREFIX + "inter_token_latency_seconds",
-            "Time between successive token deliveries of a request.",
+            "Time between successive tokens of a sequence, as the engine produced them.",
             labels,
             buckets=_ITL_BUCKETS,
             registry=reg,

@@ -124,6 +124,7 @@ def test_final_only_outputs(default_llm):
         ("Emoji party: ", dict(temperature=1.0, seed=9, max_tokens=40, skip_special_tokens=False)),
     ]
     seen: dict[str, list] = {}
+    engine.pop_token_intervals()  # left by earlier users of the engine
     for i, (prompt, kwargs) in enumerate(cases):
         for kind in RequestOutputKind:
             rid = f"{kind.name}-{i}"
@@ -140,6 +141,12 @@ def test_final_only_outputs(default_llm):
         assert steps >= 1 and [o.finished for o in cumulative] == [False] * (steps - 1) + [True]
         got = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in finals[0].outputs]
         assert got == [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in cumulative[-1].outputs]
+    # Token intervals (what the server's inter-token latency reports) for both kinds of output: one
+    # per token after each sequence's first, then drained.
+    intervals = engine.pop_token_intervals()
+    finals = [c for outs in seen.values() for c in outs[-1].outputs]
+    assert len(intervals) == sum(len(c.token_ids) - 1 for c in finals) and min(intervals) >= 0
+    assert engine.pop_token_intervals() == []
     assert len(seen["CUMULATIVE-0"]) >= 8  # one per step (the second sequence starts a step later)
     ended = seen["FINAL_ONLY-2"][0].outputs[0]  # on EOS, which is not part of the text
     assert ended.finish_reason == "stop" and ended.token_ids[-1] in engine.eos_token_ids

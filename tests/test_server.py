@@ -17,7 +17,7 @@ import pytest
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from server_utils import SMALL_ENGINE_ARGS, RemoteServer, parse_metrics
 
 MODEL = "test-model"
@@ -333,6 +333,33 @@ def test_metrics_names(server: RemoteServer) -> None:
     assert 'finished_reason="length"' in r.text
 
 
+def test_latency_metrics_count_every_token(server: RemoteServer, client: openai.OpenAI) -> None:
+    """Streamed or not (a response that is not streamed gets only the engine's final output), a
+    request of k tokens adds one time-to-first-token, k - 1 inter-token latencies and one end-to-end
+    latency, all from the engine's own token times."""
+    names = (
+        "pagedllm:time_to_first_token_seconds_count",
+        "pagedllm:inter_token_latency_seconds_count",
+        "pagedllm:e2e_request_latency_seconds_count",
+        "pagedllm:time_to_first_token_seconds_sum",
+    )
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    for stream in (False, True):
+        before = parse_metrics(server.get("/metrics").text)
+        started = time.monotonic()
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+        else:
+            text = client.completions.create(**kwargs).choices[0].text
+        elapsed = time.monotonic() - started
+        after = parse_metrics(server.get("/metrics").text)
+        ttft, itl, e2e, ttft_sum = (after[n] - before[n] for n in names)
+        assert text and (ttft, itl, e2e) == (1, 5, 1), stream
+        assert 0 < ttft_sum < elapsed
+
+
 @pytest.mark.slow
 def test_concurrent_streams(server: RemoteServer) -> None:
     async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, int, str | None]:
@@ -588,6 +615,7 @@ class ScriptedEngine:
         self.steps = 0
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
+        self.output_kinds: list[RequestOutputKind] = []
 
     def add_request(
         self,
@@ -600,6 +628,7 @@ class ScriptedEngine:
         if not ids:
             raise ValueError("prompt must not be empty.")
         self.requests[request_id] = (ids, params, [])
+        self.output_kinds.append(params.output_kind)
 
     def step(self) -> list[RequestOutput]:
         self.steps += 1
@@ -627,6 +656,9 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def pop_token_intervals(self) -> list[float]:
+        return []
 
     def get_stats(self) -> EngineStats:
         running = min(len(self.requests), self.max_running)
@@ -750,3 +782,74 @@ def test_http_scripted_chat_and_completion() -> None:
         samples = parse_metrics(http.get("/metrics").text)
         assert samples["pagedllm:request_success_total"] == 2
         assert samples["pagedllm:generation_tokens_total"] == 0  # the scripted engine reports no counters
+
+
+def test_text_chunk_events_match_the_models_json() -> None:
+    """Streamed text chunks skip building a model per chunk: their events are byte for byte the
+    chunk models' JSON, for any text and choice index, and fall back to the model when the marker
+    cannot be placed."""
+    from pagedllm.entrypoints.openai.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+        CompletionResponseChoice,
+        CompletionStreamResponse,
+        DeltaMessage,
+    )
+    from pagedllm.entrypoints.openai.serving_engine import TextChunkEvents, sse_event
+
+    def chat(index: int, text: str) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id='chatcmpl-"1"',
+            created=17,
+            model="m\\odel",
+            choices=[ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=text))],
+        )
+
+    def completion(index: int, text: str) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id="cmpl-2", created=18, model="m", choices=[CompletionResponseChoice(index=index, text=text)]
+        )
+
+    def twice(index: int, text: str) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id="cmpl-3", created=19, model=text, choices=[CompletionResponseChoice(index=index, text=text)]
+        )
+
+    texts = ["", " hello", 'a "quoted" \\ path', "line\nnext\ttab", "\x00\x1f\x7f", "é中😀\u2028", "\ufffd"]
+    for make in (chat, completion, twice):
+        events = TextChunkEvents(make)
+        for index in (0, 3, 0):
+            for text in texts:
+                expected = sse_event(make(index, text).model_dump_json())
+                assert events.event(index, text) == expected
+                assert json.loads(expected[len("data: ") :])["choices"][0]["index"] == index
+
+
+def test_http_scripted_streams_carry_every_character() -> None:
+    """Streams over HTTP with the scripted engine: every generated character arrives once, in
+    order, for chat and completions, and the last chunk finishes (text chunks after the first are
+    written from a template, see ``test_text_chunk_events_match_the_models_json``). Streamed
+    requests ask the engine for cumulative outputs, the others for the final one only."""
+    from fastapi.testclient import TestClient
+
+    fake = ScriptedEngine()
+    app, _ = _scripted_app(fake)
+    with TestClient(app) as http:
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("/v1/completions", {"prompt": "abc"}),
+        ):
+            with http.stream("POST", path, json={**body, "max_tokens": 7, "stream": True}) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            text, finishes = "", []
+            for line in lines[:-1]:
+                (choice,) = json.loads(line[len("data: ") :])["choices"]
+                assert not finishes  # nothing after the finishing chunk
+                text += (choice["delta"].get("content") if "delta" in choice else choice["text"]) or ""
+                if choice["finish_reason"] is not None:
+                    finishes.append(choice["finish_reason"])
+            assert (text, finishes) == ("a" * 7, ["length"]), path
+            http.post(path, json={**body, "max_tokens": 3})
+    # Streams need every step's output; a response that is not streamed only the final one.
+    assert fake.output_kinds == [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY] * 2

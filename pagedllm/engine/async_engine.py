@@ -61,6 +61,8 @@ class SyncEngine(Protocol):
 
     def get_stats(self) -> EngineStats: ...
 
+    def pop_token_intervals(self) -> list[float]: ...
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (crashed or shut down); the request cannot be served."""
@@ -78,7 +80,8 @@ class _Stream:
     """The caller-side end of one request: an acceptance future and a queue of outputs.
 
     Only the loop's thread touches ``accepted`` and ``queue``; the engine thread reaches them through
-    :meth:`deliver` and :meth:`fail`, which go through ``call_soon_threadsafe``.
+    ``call_soon_threadsafe``: :meth:`accept` and :meth:`fail` one call each, outputs one call per
+    loop and step (see :func:`_put_outputs`).
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -89,8 +92,6 @@ class _Stream:
         # Timing, touched by the engine thread only.
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.num_generated = 0
 
     def _call(self, fn: Any, *args: Any) -> None:
         try:
@@ -105,9 +106,6 @@ class _Stream:
         if not self.accepted.done():
             self.accepted.set_result(None)
 
-    def deliver(self, output: RequestOutput) -> None:
-        self._call(self.queue.put_nowait, output)
-
     def fail(self, exc: BaseException) -> None:
         """Raise ``exc`` to the caller: from ``add_request`` if not yet accepted, else from iteration."""
         self._call(self._fail_on_loop, exc)
@@ -119,6 +117,12 @@ class _Stream:
             self.accepted.add_done_callback(lambda f: f.exception())
         else:
             self.queue.put_nowait(exc)
+
+
+def _put_outputs(deliveries: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On a loop: hand one step's outputs to their streams' queues."""
+    for stream, output in deliveries:
+        stream.queue.put_nowait(output)
 
 
 @dataclass
@@ -366,6 +370,10 @@ class AsyncLLMEngine:
                 idle = False
                 outputs = engine.step()
                 self._dispatch(outputs)
+                if self.metrics is not None:
+                    observe = self.metrics.inter_token_latency.observe
+                    for interval in engine.pop_token_intervals():
+                        observe(interval)
                 self._record_stats(log=True)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting callers
             logger.exception("The engine loop failed; no further requests can be served.")
@@ -409,7 +417,7 @@ class AsyncLLMEngine:
                     )
                     continue
             try:
-                self.engine.add_request(stream.request_id, cmd.prompt, cmd.params)
+                self.engine.add_request(stream.request_id, cmd.prompt, cmd.params, stream.arrival)
             except Exception as exc:  # noqa: BLE001 - rejected requests report to their caller
                 self._drop(stream)
                 stream.fail(exc)
@@ -425,34 +433,47 @@ class AsyncLLMEngine:
                 del self._streams[stream.request_id]
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one ``call_soon_threadsafe`` per event loop (each
+        call wakes the loop through a pipe), after updating the latency metrics."""
+        if not outputs:
+            return
         now = time.monotonic()
         metrics = self.metrics
-        for out in outputs:
-            with self._lock:
-                stream = self._streams.get(out.request_id)
+        streams = self._streams
+        with self._lock:
+            pairs = [(streams.get(out.request_id), out) for out in outputs]
+            for stream, out in pairs:
                 if stream is not None and out.finished:
-                    del self._streams[out.request_id]
+                    del streams[out.request_id]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for stream, out in pairs:
             if stream is None:
                 continue  # aborted meanwhile
-            num_generated = sum(len(c.token_ids) for c in out.outputs)
-            if metrics is not None and num_generated > stream.num_generated:
-                if stream.first_token_time is None:
-                    stream.first_token_time = now
-                    metrics.time_to_first_token.observe(now - stream.arrival)
-                elif stream.last_token_time is not None:
-                    metrics.inter_token_latency.observe(now - stream.last_token_time)
-                stream.last_token_time = now
-            stream.num_generated = num_generated
-            stream.deliver(out)
-            if out.finished and metrics is not None:
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+            if metrics is None:
+                continue
+            m = out.metrics
+            if stream.first_token_time is None:
+                # The engine's time of the first token (an output may come only at the end).
+                first = m.first_token_time if m is not None else None
+                if first is None and any(c.token_ids for c in out.outputs):
+                    first = now
+                if first is not None:
+                    stream.first_token_time = first
+                    metrics.time_to_first_token.observe(max(0.0, first - stream.arrival))
+            if out.finished:
                 metrics.e2e_request_latency.observe(now - stream.arrival)
-                m = out.metrics
                 if m is not None and m.first_scheduled_time is not None:
                     metrics.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
                 elif stream.first_token_time is not None:
                     metrics.request_queue_time.observe(stream.first_token_time - stream.arrival)
                 for completion in out.outputs:
                     metrics.record_finished(completion.finish_reason)
+        for loop, deliveries in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_outputs, deliveries)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _record_stats(self, *, log: bool) -> None:
         stats = self.engine.get_stats()

@@ -412,6 +412,14 @@ class LLMEngine:
         return outputs
 
     # -- introspection ----------------------------------------------------------------------
+    def pop_token_intervals(self) -> list[float]:
+        """Seconds between successive tokens of each sequence since the previous call (the latest
+        65,536 at most), in the order the tokens came."""
+        intervals = self.output_processor.token_intervals
+        out = list(intervals)
+        intervals.clear()
+        return out
+
     def get_stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running,

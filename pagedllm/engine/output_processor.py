@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,11 +114,18 @@ class ParentState:
 
 
 class OutputProcessor:
+    """Per-request text state. ``token_intervals`` holds, for every token a sequence got after its
+    first, the seconds since its previous token (at most the latest ``MAX_TOKEN_INTERVALS``; whoever
+    reports latencies drains it)."""
+
+    MAX_TOKEN_INTERVALS = 1 << 16
+
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.parents: dict[str, ParentState] = {}
         self.sequences: dict[str, SequenceState] = {}
+        self.token_intervals: deque[float] = deque(maxlen=self.MAX_TOKEN_INTERVALS)
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         first = children[0]
@@ -168,6 +176,8 @@ class OutputProcessor:
         status if the sequence is done."""
         if req.first_token_time is None:
             req.first_token_time = now
+        elif req.last_token_time is not None:
+            self.token_intervals.append(now - req.last_token_time)
         req.last_token_time = now
         grammar = req.grammar
         if grammar is not None and not grammar.accept_token(token_id):

@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     SSEResponse,
+    TextChunkEvents,
     error_from_exception,
     logger,
     run_until_disconnected,
@@ -224,6 +225,14 @@ class OpenAIServingChat(OpenAIServing):
             )
             return sse_event(body.model_dump_json())
 
+        text_events = TextChunkEvents(
+            lambda index, text: ChatCompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                choices=[ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=text))],
+            )
+        )
         try:
             for i in range(request.n):
                 yield chunk(
@@ -254,6 +263,9 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     st.sent_chars = max(st.sent_chars, end)
                     st.done = finished
+                    if not (finished or continuous or logprobs is not None):
+                        yield text_events.event(c.index, delta)
+                        continue
                     yield chunk(
                         ChatCompletionResponseStreamChoice(
                             index=c.index,

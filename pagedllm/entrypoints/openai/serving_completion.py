@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     SSEResponse,
+    TextChunkEvents,
     error_from_exception,
     merge_async_iterators,
     run_until_disconnected,
@@ -286,6 +287,14 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and bool(
             request.stream_options and request.stream_options.continuous_usage_stats
         )
+        text_events = TextChunkEvents(
+            lambda index, text: CompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                choices=[CompletionResponseChoice(index=index, text=text)],
+            )
+        )
         try:
             async for pi, out in merge_async_iterators(*iterators):
                 latest[pi] = out
@@ -324,6 +333,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     st.sent_chars = max(st.sent_chars, end)
                     st.done = finished
+                    if not (finished or continuous or logprobs is not None or echo_text):
+                        yield text_events.event(index, delta)
+                        continue
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         created=created,

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.beam_search import BeamSearchOutput
@@ -36,7 +38,12 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.outputs import Logprob
 from pagedllm.outputs import PromptLogprobs as EnginePromptLogprobs
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -215,6 +222,37 @@ def sse_event(payload: str) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+_TEXT_MARKER = "PAGEDLLM_TEXT_MARKER_7f3c1a"
+
+
+class TextChunkEvents:
+    """Server-sent events of one stream's plain text chunks, without building a model per chunk.
+
+    ``make(index, text)`` builds the chunk model of choice ``index`` carrying ``text``; it is
+    serialized once per choice with a marker as the text, and every later event of that choice is the
+    serialized JSON with the marker's string replaced by ``text``'s (JSON strings encoded as pydantic
+    encodes them: no ASCII escaping). Falls back to serializing the model when the marker is not
+    found exactly once.
+    """
+
+    def __init__(self, make: Callable[[int, str], BaseModel]) -> None:
+        self._make = make
+        self._parts: dict[int, tuple[str, str] | None] = {}
+
+    def event(self, index: int, text: str) -> str:
+        try:
+            parts = self._parts[index]
+        except KeyError:
+            parts = self._parts[index] = self._split(index)
+        if parts is None:
+            return sse_event(self._make(index, text).model_dump_json())
+        before, after = parts
+        return f"data: {before}{json.dumps(text, ensure_ascii=False)}{after}\n\n"
+
+    def _split(self, index: int) -> tuple[str, str] | None:
+        pieces = self._make(index, _TEXT_MARKER).model_dump_json().split(f'"{_TEXT_MARKER}"')
+        return (pieces[0], pieces[1]) if len(pieces) == 2 else None
 
 
 def sse_error(err: OpenAIError) -> str:
@@ -470,6 +508,8 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 structured_outputs=structured,
+                # A response that is not streamed needs only the final output.
+                output_kind=RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY,
             )
         except (ValueError, TypeError) as exc:
             message = str(exc)
