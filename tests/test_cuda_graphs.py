@@ -334,6 +334,9 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
     roofline = results["roofline"]
     assert roofline["bytes_per_step"] > roofline["weight_bytes"] > 0
     assert 0 < roofline["fraction_of_roofline_forward"]
+    serve = results["serve"]
+    assert serve["passed"] and serve["server"]["output_tokens"] == serve["offline"]["output_tokens"] > 0
+    assert serve["server_over_offline"] > 0
     hf = results["hf"]
     assert hf["hf"]["output_tokens_per_s"] > 0 and hf["engine"]["num_requests"] == hf["hf"]["num_requests"]
     assert "of the 8 workload requests" in hf["note"]

@@ -17,7 +17,10 @@
    around each; the CPU-side share of a step is what the step takes beyond the forward and sampling.
 5. ``roofline``: the bytes a decode step must read (weights + KV cache) over the bandwidth of a large
    device-to-device copy, as a fraction of the measured step.
-6. ``hf``: transformers' continuous batching (the manager behind ``generate_batch``) on a subsample of
+6. ``serve``: the OpenAI server (FastAPI app in this process, in-process client) streaming
+   completions of the first 256 workload requests (outputs capped at 256 tokens), against
+   ``LLM.generate`` on the same requests: output tokens per second of each.
+7. ``hf``: transformers' continuous batching (the manager behind ``generate_batch``) on a subsample of
    the same requests, time-bounded, against the engine on that same subsample.
 
 Run from the repository root (no installation needed; pagedllm is imported from this checkout)::
@@ -33,6 +36,7 @@ The exit status is 1 when a check fails or a section raises.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import gc
 import importlib.util
@@ -64,7 +68,7 @@ from pagedllm.hf_compare import greedy_compare, hf_greedy  # noqa: E402
 
 logger = logging.getLogger("run_gpu")
 
-SECTIONS = ("kernels", "equivalence", "throughput", "decode", "roofline", "hf")
+SECTIONS = ("kernels", "equivalence", "throughput", "decode", "roofline", "serve", "hf")
 
 EQUIVALENCE_PROMPTS = [
     "The capital of France is",
@@ -118,6 +122,8 @@ class Settings:
     max_num_batched_tokens: int
     hf_requests: int
     hf_timeout_s: float
+    serve_requests: int
+    serve_max_output: int
     decode_running: int
     decode_prompt_len: int
     decode_steps: int
@@ -138,6 +144,8 @@ FULL = Settings(
     max_num_batched_tokens=8192,
     hf_requests=64,
     hf_timeout_s=150.0,
+    serve_requests=256,
+    serve_max_output=256,
     decode_running=256,
     decode_prompt_len=512,
     decode_steps=20,
@@ -157,6 +165,8 @@ TINY = Settings(
     max_num_batched_tokens=256,
     hf_requests=4,
     hf_timeout_s=60.0,
+    serve_requests=8,
+    serve_max_output=16,
     decode_running=8,
     decode_prompt_len=16,
     decode_steps=3,
@@ -1050,6 +1060,88 @@ def section_decode(llm: Any, settings: Settings, seed: int, temperature: float) 
     }
 
 
+def section_serve(
+    llm: Any, requests: list[WorkloadRequest], temperature: float, max_output: int
+) -> dict[str, Any]:
+    """The OpenAI server streaming completions of the same requests the engine then runs offline.
+
+    The FastAPI app runs in this process with an in-process HTTP client (``httpx.ASGITransport``,
+    reading raw bytes; only each stream's final usage event is parsed), so the engine thread, the
+    event loop and the client share the interpreter lock as they would in a server process that also
+    hosted its clients: a conservative measure of the server's own host cost.
+    """
+    import httpx
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from pagedllm.metrics import EngineMetrics
+
+    reqs = [WorkloadRequest(r.prompt_token_ids, min(r.output_len, max_output)) for r in requests]
+    engine = llm.llm_engine
+    engine.reset_prefix_cache()
+    offline = engine_run(llm, reqs, temperature)
+    engine.reset_prefix_cache()
+    metrics = EngineMetrics("bench")
+    app = build_app(
+        AsyncLLMEngine(engine, metrics=metrics, log_stats_interval=None),
+        ServerSettings(served_model_names=["bench"]),
+        metrics,
+    )
+
+    async def one(client: httpx.AsyncClient, r: WorkloadRequest) -> int:
+        body = {
+            "model": "bench",
+            "prompt": r.prompt_token_ids,
+            "max_tokens": r.output_len,
+            "temperature": temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        tail = b""
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for chunk in resp.aiter_raw():
+                tail = (tail + chunk)[-8192:]
+        events = [e for e in tail.decode(errors="replace").split("\n\n") if e.startswith("data: {")]
+        return int(json.loads(events[-1][len("data: ") :])["usage"]["completion_tokens"])
+
+    async def serve() -> tuple[float, list[int]]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://bench", timeout=600) as client:
+                start = time.perf_counter()
+                counts = await asyncio.gather(*(one(client, r) for r in reqs))
+                return time.perf_counter() - start, list(counts)
+
+    steps_before = engine.step_times.steps
+    cpu_before = time.process_time()
+    elapsed, counts = asyncio.run(serve())
+    cpu = time.process_time() - cpu_before
+    steps = engine.step_times.steps - steps_before
+    engine.reset_prefix_cache()
+    output_tokens = sum(counts)
+    server_rate = output_tokens / elapsed
+    return {
+        "num_requests": len(reqs),
+        "max_output_tokens": max_output,
+        "offline": offline,
+        "server": {
+            "elapsed_s": elapsed,
+            "output_tokens": output_tokens,
+            "output_tokens_per_s": server_rate,
+            "steps": steps,
+            "ms_per_step": 1e3 * elapsed / max(steps, 1),
+            "process_cpu_ms_per_step": 1e3 * cpu / max(steps, 1),
+        },
+        "server_over_offline": server_rate / offline["output_tokens_per_s"],
+        "passed": output_tokens == offline["expected_output_tokens"],
+        "note": "Streamed /v1/completions of the first requests of the workload (outputs capped at "
+        "max_output_tokens), all at once, through the FastAPI app and an in-process client, against "
+        "LLM.generate on the same requests just before.",
+    }
+
+
 # --------------------------------------------------------------------------------------------------
 # 5. Roofline
 # --------------------------------------------------------------------------------------------------
@@ -1454,6 +1546,19 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         )
     else:
         rows.append(("roofline", "status", status(r)))
+    sv = results.get("serve")
+    if sv and "server" in sv:
+        rows.append(
+            (
+                "serve",
+                f"streamed server / offline tok/s ({sv['num_requests']} req)",
+                f"{fmt(sv['server']['output_tokens_per_s'])} / {fmt(sv['offline']['output_tokens_per_s'])}"
+                f" = {fmt(100 * sv['server_over_offline'])}%",
+            )
+        )
+        rows.append(("serve", "server ms per step", fmt(sv["server"]["ms_per_step"], 2)))
+    else:
+        rows.append(("serve", "status", status(sv)))
     rows.append(("overall", "checks", "passed" if results.get("passed") else "FAILED"))
     return rows
 
@@ -1523,7 +1628,7 @@ class Run:
             run_section(self.results, "kernels", lambda: section_kernels(settings, device, args.seed))
         # --tiny shares one sharp tiny model between the equivalence check and the benchmarks.
         tiny_reference = args.tiny and args.model is None and self.wants("equivalence")
-        if self.wants("throughput", "decode", "roofline", "hf") or tiny_reference:
+        if self.wants("throughput", "decode", "roofline", "serve", "hf") or tiny_reference:
             info = run_section(
                 self.results,
                 "random_model",
@@ -1539,7 +1644,7 @@ class Run:
             self.model_dir = info["path"] if info is not None else None
         if self.wants("equivalence"):
             self.run_equivalence(tiny_reference)
-        if self.model_dir is None or not self.wants("throughput", "decode", "roofline", "hf"):
+        if self.model_dir is None or not self.wants("throughput", "decode", "roofline", "serve", "hf"):
             return
         throughput = run_section(self.results, "throughput", self.section_throughput)
         if self.llm is None:
@@ -1553,6 +1658,17 @@ class Run:
             )
         if self.wants("roofline"):
             run_section(self.results, "roofline", lambda: section_roofline(self.llm, decode, settings))
+        if self.wants("serve"):
+            run_section(
+                self.results,
+                "serve",
+                lambda: section_serve(
+                    self.llm,
+                    self.requests[: settings.serve_requests],
+                    args.temperature,
+                    settings.serve_max_output,
+                ),
+            )
         if self.wants("hf") and throughput is not None:
             run_section(self.results, "hf", self.section_hf)
         self.llm = None
