@@ -174,17 +174,17 @@ class OutputProcessor:
     ) -> RequestStatus | None:
         """Append a sampled token (sampled at ``now``, by ``time.monotonic``); returns the finishing
         status if the sequence is done."""
-        if req.first_token_time is None:
-            req.first_token_time = now
-        elif req.last_token_time is not None:
-            self.token_intervals.append(now - req.last_token_time)
-        req.last_token_time = now
         grammar = req.grammar
         if grammar is not None and not grammar.accept_token(token_id):
             # Other constraints (min_tokens, bad_words, ...) masked every token the grammar allows: the
             # token is dropped and the sequence ends, complete ("stop") or not ("abort").
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED if grammar.is_completed else RequestStatus.FINISHED_ABORTED
+        if req.first_token_time is None:
+            req.first_token_time = now
+        elif req.last_token_time is not None:
+            self.token_intervals.append(now - req.last_token_time)
+        req.last_token_time = now
         req.append_output_token(token_id)
         req.cumulative_logprob += logprob
         if req.logprobs is not None and top is not None:
