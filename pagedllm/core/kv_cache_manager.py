@@ -80,9 +80,8 @@ class KVCacheManager:
         ``computed`` are prefix-cache hits for a request being admitted. Returns False and changes
         nothing when there are not enough free blocks.
         """
-        if not computed and (request.num_computed_tokens + num_new_tokens) <= len(request.block_ids) * (
-            self.block_size
-        ):
+        capacity = len(request.block_ids) * self.block_size
+        if not computed and request.num_computed_tokens + num_new_tokens <= capacity:
             return True  # the room is there already (most decode steps)
         computed = computed or []
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
