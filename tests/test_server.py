@@ -784,6 +784,35 @@ def test_http_scripted_chat_and_completion() -> None:
         assert samples["pagedllm:generation_tokens_total"] == 0  # the scripted engine reports no counters
 
 
+def test_a_dropped_app_frees_its_engine() -> None:
+    """Once an app has served every route and is dropped, nothing keeps its engine alive (FastAPI
+    caches facts about endpoint functions process-wide, so handlers must not close over the engine,
+    whose weights and KV cache would otherwise stay allocated)."""
+    import gc
+    import weakref
+
+    from fastapi.testclient import TestClient
+
+    fake = ScriptedEngine()
+    app, engine = _scripted_app(fake)
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/v1/models").json()["data"][0]["id"] == "scripted"
+        assert http.get("/version").status_code == 200 and http.get("/metrics").status_code == 200
+        r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert r.json()["choices"][0]["text"] == "aa"
+        r = http.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        )
+        assert r.status_code == 200
+        assert http.post("/tokenize", json={"prompt": "ab"}).json()["count"] == 2
+        assert http.post("/detokenize", json={"tokens": [97]}).status_code == 200
+    refs = [weakref.ref(fake), weakref.ref(engine), weakref.ref(app)]
+    del fake, engine, app, http, r
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True, True, True]
+
+
 def test_text_chunk_events_match_the_models_json() -> None:
     """Streamed text chunks skip building a model per chunk: their events are byte for byte the
     chunk models' JSON, for any text and choice index, and fall back to the model when the marker

@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -185,6 +185,107 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError("Invalid request: " + "; ".join(parts), param=param)
 
 
+@dataclass
+class Serving:
+    """What the routes serve, kept on ``app.state.serving``.
+
+    The route handlers are module-level functions that look this up on the request's app: FastAPI
+    caches facts about endpoint functions in process-wide caches, so handlers that closed over an
+    engine would keep it (weights and KV cache) alive after its app is gone."""
+
+    engine: AsyncLLMEngine
+    state: ServerState
+    metrics: EngineMetrics | None
+    served_model_names: list[str]
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    tokenization: OpenAIServingTokenization
+
+
+def _serving(request: Request) -> Serving:
+    serving: Serving = request.app.state.serving
+    return serving
+
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    return await _serving(raw_request).completion.create_completion(request, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await _serving(raw_request).chat.create_chat_completion(request, raw_request)
+
+
+@router.get("/v1/models")
+async def list_models(raw_request: Request) -> Response:
+    serving = _serving(raw_request)
+    root = str(serving.engine.engine.model_name)
+    max_model_len = serving.completion.max_model_len
+    cards = [
+        ModelCard(id=name, root=root, max_model_len=max_model_len) for name in serving.served_model_names
+    ]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    serving = _serving(raw_request)
+    if serving.state.draining:
+        return OpenAIError(
+            "The server is shutting down.", status_code=503, type="server_error", code="shutting_down"
+        ).to_response()
+    if not serving.engine.is_running:
+        return _dead(serving.engine).to_response()
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(raw_request: Request) -> Response:
+    metrics = _serving(raw_request).metrics
+    body = metrics.render() if metrics is not None else b""
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+@router.get("/version")
+async def version() -> Response:
+    return JSONResponse(VersionResponse(version=server_version()).model_dump())
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    return JSONResponse(_serving(raw_request).tokenization.tokenize(request).model_dump())
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    return JSONResponse(_serving(raw_request).tokenization.detokenize(request).model_dump())
+
+
+async def _openai_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OpenAIError)
+    return exc.to_response()
+
+
+async def _request_validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return _validation_error(exc).to_response()
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return OpenAIError(str(exc.detail), status_code=exc.status_code, type=kind, code=code).to_response()
+
+
+async def _internal_error(_: Request, exc: Exception) -> Response:
+    return error_from_exception(exc).to_response()
+
+
 def build_app(
     engine: AsyncLLMEngine,
     settings: ServerSettings,
@@ -205,79 +306,26 @@ def build_app(
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=server_version(), lifespan=lifespan)
     app.state.server_state = state
     app.state.engine = engine
-    app.add_middleware(GuardMiddleware, settings=settings, state=state)
-
     names = settings.served_model_names
     shared: dict[str, Any] = {
         "max_logprobs": settings.max_logprobs,
         "tokenizer": private_tokenizer(engine.engine.tokenizer),
     }
-    completion = OpenAIServingCompletion(engine, names, **shared)
-    chat = OpenAIServingChat(engine, names, **shared)
-    tokenization = OpenAIServingTokenization(engine, names, **shared)
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> Response:
-        return exc.to_response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return _validation_error(exc).to_response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        err = OpenAIError(str(exc.detail), status_code=exc.status_code, type=kind, code=code)
-        return err.to_response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> Response:
-        return error_from_exception(exc).to_response()
-
-    @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completion.create_completion(request, raw_request)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.create_chat_completion(request, raw_request)
-
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        cards = [
-            ModelCard(id=name, root=str(engine.engine.model_name), max_model_len=completion.max_model_len)
-            for name in names
-        ]
-        return JSONResponse(ModelList(data=cards).model_dump())
-
-    @app.get("/health")
-    async def health() -> Response:
-        if state.draining:
-            return OpenAIError(
-                "The server is shutting down.", status_code=503, type="server_error", code="shutting_down"
-            ).to_response()
-        if not engine.is_running:
-            return _dead(engine).to_response()
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        body = metrics.render() if metrics is not None else b""
-        return Response(body, media_type=CONTENT_TYPE)
-
-    @app.get("/version")
-    async def version() -> Response:
-        return JSONResponse(VersionResponse(version=server_version()).model_dump())
-
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> Response:
-        return JSONResponse(tokenization.tokenize(request).model_dump())
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> Response:
-        return JSONResponse(tokenization.detokenize(request).model_dump())
-
+    app.state.serving = Serving(
+        engine=engine,
+        state=state,
+        metrics=metrics,
+        served_model_names=list(names),
+        completion=OpenAIServingCompletion(engine, names, **shared),
+        chat=OpenAIServingChat(engine, names, **shared),
+        tokenization=OpenAIServingTokenization(engine, names, **shared),
+    )
+    app.add_middleware(GuardMiddleware, settings=settings, state=state)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _request_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(router)
     return app
 
 
