@@ -161,3 +161,40 @@ def test_compile_for_checks_shared_memory_and_leaves_no_trace() -> None:
         interpret=True,
     )
     assert refused.returncode != 0 and "TRITON_INTERPRET=1" in refused.stderr
+
+
+def test_step_sizes_compile_one_variant() -> None:
+    """Batches of 1, 7 and 16 sequences (and as many tokens) launch the same compiled attention and
+    KV-write kernels: the sizes that change from step to step are not specialised on, so a run does
+    not stop to compile a variant the first time a multiple of 16 comes up."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from pagedllm.attention import triton_aot, triton_kernels as tk
+        from pagedllm.attention.base import AttentionMetadata
+
+        dev = torch.device("meta")
+        cache = torch.empty(64, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+        config = tk.AttentionLaunchConfig(block_m=64, tile_n=64, num_splits=1)
+        with triton_aot.compile_for() as launches:
+            for n in (1, 7, 16):
+                tokens = 40 * n
+                meta = AttentionMetadata(
+                    slot_mapping=torch.empty(tokens, dtype=torch.int64, device=dev),
+                    query_start_loc=torch.empty(n + 1, dtype=torch.int32, device=dev),
+                    seq_lens=torch.empty(n, dtype=torch.int32, device=dev),
+                    block_tables=torch.empty(n, 128, dtype=torch.int32, device=dev),
+                    max_query_len=40, max_seq_len=2048, query_lens_cpu=[40] * n, seq_lens_cpu=[2048] * n,
+                )
+                query = torch.empty(tokens, 16, 128, dtype=torch.bfloat16, device=dev)
+                tk.paged_attention(query, cache, cache, meta, 0.1, config=config)
+                kv = query[:, :8]
+                tk.write_kv(kv, kv, cache, cache, meta.slot_mapping)
+        for name in ("_paged_attention_kernel", "_write_kv_kernel"):
+            ptx = [x.asm["ptx"] for x in launches if x.kernel == name]
+            assert len(ptx) == 3 and len(set(ptx)) == 1, (name, len(set(ptx)))
+        print("ok")
+        """
+    )
+    proc = run_python(["-c", code])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]

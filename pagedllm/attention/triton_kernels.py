@@ -44,7 +44,9 @@ LOG2E = 1.4426950408889634
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton otherwise compiles a
+# variant for values equal to 1 and for multiples of 16, the first time each kind comes up mid-run).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -112,7 +114,7 @@ def _write_kv_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM]; written when NUM_SPLITS == 1
     part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM] fp32; written when NUM_SPLITS > 1
