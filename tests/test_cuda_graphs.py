@@ -312,7 +312,7 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
     assert last_lines[-1].startswith("overall"), proc.stdout[-2000:]
     results = json.loads(out_json.read_text())
     assert json.loads((tmp_path / "out" / "gpu_results.json").read_text()) == results
-    assert results["passed"] is True
+    assert results["passed"] is True and results["complete"] is True
     assert results["settings"]["tiny"] is True
     assert (
         results["kernels"]["passed"] and results["kernels"]["num_passed"] == results["kernels"]["num_cases"]
@@ -325,6 +325,17 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
     engine = throughput["engine"]
     assert engine["num_requests"] == 8 and engine["output_tokens"] == engine["expected_output_tokens"]
     assert engine["output_tokens_per_s"] > 0 and throughput["startup_s"] > 0
+    again = throughput["engine_again"]
+    assert again["output_tokens"] == engine["output_tokens"]
+    # The per-step trace: buckets cover every step, within the run's time; the prefill phase is first.
+    for run in (engine, again):
+        buckets = run["steps_by_running"]
+        assert buckets[0]["running"] == "requests waiting"
+        assert sum(b["seconds"] for b in buckets) <= run["elapsed_s"]
+        assert all(b["steps"] > 0 and b["max_ms"] >= b["ms_per_step"] > 0 for b in buckets)
+        slowest = [s["ms"] for s in run["slowest_steps"]]
+        assert slowest == sorted(slowest, reverse=True) and slowest[0] == max(b["max_ms"] for b in buckets)
+        assert run["gc_pauses"]["count"] >= 0
     decode = results["decode"]
     assert decode["num_running"] == 8
     for key in ("step_ms", "forward_ms", "prepare_ms", "sample_ms", "host_overhead_fraction"):
@@ -334,6 +345,15 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
     roofline = results["roofline"]
     assert roofline["bytes_per_step"] > roofline["weight_bytes"] > 0
     assert 0 < roofline["fraction_of_roofline_forward"]
+    workload = roofline["workload"]
+    assert 3 <= workload["decode_steps"] <= 15  # the longest output (4-16 tokens) less its first
+    assert workload["ideal_output_tokens_per_s"] * workload["ideal_s"] == pytest.approx(
+        engine["expected_output_tokens"]
+    )
+    assert workload["ideal_s"] == pytest.approx(workload["ideal_decode_s"] + workload["ideal_prefill_s"])
+    assert workload["fraction_of_roofline"] == pytest.approx(
+        engine["output_tokens_per_s"] / workload["ideal_output_tokens_per_s"]
+    )
     serve = results["serve"]
     assert serve["passed"] and serve["server"]["output_tokens"] == serve["offline"]["output_tokens"] > 0
     assert serve["server_over_offline"] > 0

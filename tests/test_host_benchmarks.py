@@ -5,6 +5,7 @@ engine idle (the script checks that every KV block is free)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,34 @@ def test_host_step_small(tmp_path: Path) -> None:
             assert 0 < phases <= p["step_ms"] * 1.05, (kind, mode, p)  # parts of a step
             assert p["host_ms"] == pytest.approx(p["step_ms"] - p["sample_ms"])
     assert r["sampler_host_ms_vocab64"] > 0
+
+
+def test_tune_attention_runs_small_on_cpu(tmp_path: Path) -> None:
+    """The attention tiling sweep, small and interpreted: every tiling agrees with the default one
+    and is timed, and the default tiling is reported."""
+    out = tmp_path / "tune.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu/tune_attention.py",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--reps",
+            "1",
+            "--output-json",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    (batch,) = results["batches"]
+    assert batch["num_seqs"] == 4 and batch["kv_bytes"] > 0
+    assert batch["default"]["ms"] > 0 and {"tile_n", "num_splits", "num_warps"} <= set(batch["default"])
+    assert len(batch["rows"]) == 2 and all(r["ms"] > 0 and r["max_diff"] < 1e-4 for r in batch["rows"])
+    assert batch["best"] in batch["rows"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -822,17 +823,98 @@ def make_workload(
     return requests
 
 
-def engine_run(llm: Any, requests: list[WorkloadRequest], temperature: float) -> dict[str, Any]:
-    """``LLM.generate`` over the requests (EOS ignored); the engine's seed makes sampling repeatable."""
+# Buckets of running requests for the per-step trace of a workload run (lower bounds).
+RUNNING_BUCKETS = (192, 128, 64, 16, 1, 0)
+
+
+def step_trace(engine: Any, trace: list[tuple[int, int, float]]) -> Any:
+    """A wrapper for ``engine.step`` appending (requests running and waiting before the step,
+    seconds the call took). With scheduling ahead a call returns the previous step's outputs, so in
+    a steady run the calls' times follow the device's steps."""
+
+    def wrap(step: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+            t = time.perf_counter()
+            out = step(*args, **kwargs)
+            trace.append((running, waiting, time.perf_counter() - t))
+            return out
+
+        return inner
+
+    return wrap
+
+
+@contextmanager
+def gc_pauses(pauses: list[tuple[int, float]]) -> Iterator[None]:
+    """Record (generation, seconds) of every garbage collection inside."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((int(info["generation"]), time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def _trace_row(label: str, times: list[float]) -> dict[str, Any]:
+    return {
+        "running": label,
+        "steps": len(times),
+        "seconds": sum(times),
+        "ms_per_step": 1e3 * mean(times),
+        "max_ms": 1e3 * max(times),
+    }
+
+
+def summarize_trace(trace: list[tuple[int, int, float]]) -> list[dict[str, Any]]:
+    """Steps and seconds per bucket of running requests; steps with requests still waiting (the
+    prefill phase) in a row of their own."""
+    prefill = [dt for _, waiting, dt in trace if waiting]
+    rows = [_trace_row("requests waiting", prefill)] if prefill else []
+    for i, lo in enumerate(RUNNING_BUCKETS):
+        hi = RUNNING_BUCKETS[i - 1] - 1 if i else None
+        times = [dt for n, waiting, dt in trace if not waiting and n >= lo and (hi is None or n <= hi)]
+        if times:
+            rows.append(
+                _trace_row(
+                    f"{lo}+ running"
+                    if hi is None
+                    else (f"{lo} running" if lo == hi else f"{lo}-{hi} running"),
+                    times,
+                )
+            )
+    return rows
+
+
+def engine_run(
+    llm: Any, requests: list[WorkloadRequest], temperature: float, trace_steps: bool = False
+) -> dict[str, Any]:
+    """``LLM.generate`` over the requests (EOS ignored); the engine's seed makes sampling repeatable.
+    ``trace_steps`` adds the steps and seconds by number of running requests."""
     from pagedllm import SamplingParams
 
     params = [
         SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True) for r in requests
     ]
-    device = llm.llm_engine.device
+    engine = llm.llm_engine
+    device = engine.device
+    trace: list[tuple[int, int, float]] = []
+    pauses: list[tuple[int, float]] = []
+    tracing = contextlib.ExitStack()
+    if trace_steps:
+        tracing.enter_context(patched(engine, "step", step_trace(engine, trace)))
+        tracing.enter_context(gc_pauses(pauses))
     synchronize(device)
     start = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    with tracing:
+        outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     synchronize(device)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -846,6 +928,23 @@ def engine_run(llm: Any, requests: list[WorkloadRequest], temperature: float) ->
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "requests_per_s": len(requests) / elapsed,
+        **(
+            {
+                "steps_by_running": summarize_trace(trace),
+                "slowest_steps": [
+                    {"running": n, "waiting": w, "ms": 1e3 * dt}
+                    for n, w, dt in sorted(trace, key=lambda x: -x[2])[:8]
+                ],
+                "gc_pauses": {
+                    "count": len(pauses),
+                    "seconds": sum(dt for _, dt in pauses),
+                    "max_ms": 1e3 * max((dt for _, dt in pauses), default=0.0),
+                    "full_collections": sum(1 for g, _ in pauses if g == 2),
+                },
+            }
+            if trace_steps
+            else {}
+        ),
     }
 
 
@@ -888,6 +987,10 @@ def patched(
             delattr(obj, name)
 
 
+# Torch warns once, when the mode is first set, that it is a prototype; that is no synchronising call.
+_SYNC_DEBUG_NOTICE = "Synchronization debug mode is a prototype"
+
+
 @contextmanager
 def sync_warnings(messages: list[str]) -> Iterator[None]:
     """Append to ``messages`` the first line of every synchronising CUDA call made inside (as
@@ -899,7 +1002,8 @@ def sync_warnings(messages: list[str]) -> Iterator[None]:
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            messages.extend(str(w.message).splitlines()[0] for w in caught)
+            texts = [str(w.message) for w in caught]
+            messages.extend(t.splitlines()[0] for t in texts if not t.startswith(_SYNC_DEBUG_NOTICE))
 
 
 def count_launch_syncs(engine: Any, device: torch.device, steps: int = 3) -> dict[str, Any] | None:
@@ -1166,19 +1270,82 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> dict[str, Any]:
     return {"bytes": nbytes, "best_s": best, "bytes_per_s": 2 * nbytes / best}
 
 
-def section_roofline(llm: Any, decode: dict[str, Any] | None, settings: Settings) -> dict[str, Any]:
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """FLOP/s of an ``n`` x ``n`` x ``n`` matrix product on random data, best of 10."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = math.inf
+    for i in range(12):
+        synchronize(device)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        if i >= 2:
+            best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def workload_roofline(
+    requests: list[WorkloadRequest],
+    weight_bytes: int,
+    num_weights: int,
+    kv_bytes_per_token: int,
+    bytes_per_s: float,
+    flops_per_s: float,
+) -> dict[str, Any]:
+    """The least time the whole workload could take: every decode step reads the weights once and
+    the KV cache of every running request (all requests admitted at once, as the KV cache allows
+    here) at the copy bandwidth, and the prompts cost their matrix products (2 FLOP per weight per
+    token) at the measured FLOP rate."""
+    steps = max(r.output_len for r in requests) - 1  # the first token of each comes from its prefill
+    kv_tokens = sum(
+        (r.output_len - 1) * len(r.prompt_token_ids) + r.output_len * (r.output_len - 1) // 2
+        for r in requests
+    )
+    decode_s = (steps * weight_bytes + kv_tokens * kv_bytes_per_token) / bytes_per_s
+    prefill_s = 2 * num_weights * sum(len(r.prompt_token_ids) for r in requests) / flops_per_s
+    output_tokens = sum(r.output_len for r in requests)
+    return {
+        "decode_steps": steps,
+        "ideal_decode_s": decode_s,
+        "ideal_prefill_s": prefill_s,
+        "ideal_s": decode_s + prefill_s,
+        "ideal_output_tokens_per_s": output_tokens / (decode_s + prefill_s),
+    }
+
+
+def section_roofline(
+    llm: Any,
+    decode: dict[str, Any] | None,
+    settings: Settings,
+    requests: list[WorkloadRequest],
+    throughput: dict[str, Any] | None,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
     engine = llm.llm_engine
     runner = engine.runner
     device = engine.device
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_per_token = runner.kv_bytes_per_block // engine.config.block_size
     bw = copy_bandwidth(device, settings.copy_bytes)
+    flops = matmul_flops(device, dtype, 8192 if device.type == "cuda" else 256)
     result: dict[str, Any] = {
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
         "copy_bandwidth_GBps": bw["bytes_per_s"] / 1e9,
         "copy_bytes": bw["bytes"],
+        "matmul_TFLOPs": flops / 1e12,
     }
+    if throughput is not None and "engine" in throughput:
+        num_weights = sum(p.numel() for p in runner.model.parameters())
+        ideal = workload_roofline(requests, weight_bytes, num_weights, kv_per_token, bw["bytes_per_s"], flops)
+        measured = throughput["engine"]["output_tokens_per_s"]
+        result["workload"] = {
+            **ideal,
+            "measured_s": throughput["engine"]["elapsed_s"],
+            "measured_output_tokens_per_s": measured,
+            "fraction_of_roofline": measured / ideal["ideal_output_tokens_per_s"],
+        }
     if decode:
         kv_bytes = decode["mean_context_tokens"] * kv_per_token
         total = weight_bytes + kv_bytes
@@ -1216,7 +1383,10 @@ def hf_sampling(temperature: float) -> dict[str, Any]:
     return {"do_sample": False}
 
 
-@torch.inference_mode()
+# Not inference_mode: transformers' continuous batching updates its cache in place from a thread of
+# its own, which (in some transformers 5 releases) is not in inference mode, so its tensors must not
+# be inference tensors.
+@torch.no_grad()
 def run_hf_continuous_batching(
     model_dir: str,
     requests: list[WorkloadRequest],
@@ -1275,14 +1445,18 @@ def _hf_manager_run(
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     page_size = 256
-    cb_config = ContinuousBatchingConfig(
-        page_size=page_size,
-        num_blocks=sum(-(-(len(r.prompt_token_ids) + r.output_len) // page_size) for r in requests) + 1,
-        max_batch_tokens=max_batch_tokens,
-        seed=seed,
+    # The field names moved between transformers 5 releases (block_size became page_size; seed and
+    # auto_switch_to_flash came later): pass those the installed version has.
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    wanted = {
+        "page_size" if "page_size" in fields else "block_size": page_size,
+        "num_blocks": sum(-(-(len(r.prompt_token_ids) + r.output_len) // page_size) for r in requests) + 1,
+        "max_batch_tokens": max_batch_tokens,
+        "seed": seed,
         # Without the flash-attn package, switching would try to fetch kernels from the Hub.
-        auto_switch_to_flash=importlib.util.find_spec("flash_attn") is not None,
-    )
+        "auto_switch_to_flash": importlib.util.find_spec("flash_attn") is not None,
+    }
+    cb_config = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
     gen_config = GenerationConfig(
         max_new_tokens=max(r.output_len for r in requests),
         eos_token_id=-1,
@@ -1324,6 +1498,8 @@ def _hf_manager_run(
         synchronize(device)
         elapsed = time.perf_counter() - start
     errors = [r.error for r in results.values() if r.error is not None]
+    if results and len(errors) == len(results):
+        raise RuntimeError(f"every request failed in transformers' continuous batching: {errors[0]}")
     return {
         "api": "continuous_batching_context_manager + add_request (per-request max_new_tokens)",
         "completed_requests": len(results),
@@ -1480,6 +1656,22 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
                 fmt(t["engine"]["output_tokens_per_s"]),
             )
         )
+        if "engine_again" in t:
+            rows.append(
+                (
+                    "throughput",
+                    "pagedllm output tok/s, second run",
+                    fmt(t["engine_again"]["output_tokens_per_s"]),
+                )
+            )
+        for b in t["engine"].get("steps_by_running", []):
+            rows.append(
+                (
+                    "throughput",
+                    f"steps ({b['running']}): count, s, ms/step",
+                    f"{b['steps']}, {fmt(b['seconds'], 2)}, {fmt(b['ms_per_step'], 2)}",
+                )
+            )
     else:
         rows.append(("throughput", "status", status(t)))
     h = results.get("hf")
@@ -1544,7 +1736,17 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{fmt(100 * r['fraction_of_roofline_forward'])}% / {fmt(100 * r['fraction_of_roofline_step'])}%",
             )
         )
-    else:
+    if r and "workload" in r:
+        w = r["workload"]
+        rows.append(
+            (
+                "roofline",
+                "workload: ideal s (decode + prefill) / measured s",
+                f"{fmt(w['ideal_decode_s'], 2)} + {fmt(w['ideal_prefill_s'], 2)} / {fmt(w['measured_s'], 2)}",
+            )
+        )
+        rows.append(("roofline", "workload roofline fraction", f"{fmt(100 * w['fraction_of_roofline'])}%"))
+    if not r or "bytes_per_step" not in r:
         rows.append(("roofline", "status", status(r)))
     sv = results.get("serve")
     if sv and "server" in sv:
@@ -1622,15 +1824,29 @@ class Run:
     def wants(self, *sections: str) -> bool:
         return any(s not in self.skip for s in sections)
 
+    def section(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """Run one section, then save the results so far (a run cut short keeps what it measured)."""
+        out = run_section(self.results, name, fn)
+        self.save(final=False)
+        return out
+
+    def save(self, final: bool) -> None:
+        """Write the results to ``--output-json`` and, when ``$OUT`` is set, to ``$OUT/gpu_results.json``."""
+        self.results["complete"] = final
+        self.results["total_seconds"] = self.deadline.elapsed
+        write_json(self.args.output_json, self.results)
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            write_json(os.path.join(out_dir, "gpu_results.json"), self.results)
+
     def run(self) -> None:
         args, settings, device = self.args, self.settings, self.device
         if self.wants("kernels"):
-            run_section(self.results, "kernels", lambda: section_kernels(settings, device, args.seed))
+            self.section("kernels", lambda: section_kernels(settings, device, args.seed))
         # --tiny shares one sharp tiny model between the equivalence check and the benchmarks.
         tiny_reference = args.tiny and args.model is None and self.wants("equivalence")
         if self.wants("throughput", "decode", "roofline", "serve", "hf") or tiny_reference:
-            info = run_section(
-                self.results,
+            info = self.section(
                 "random_model",
                 lambda: write_random_model(
                     settings.shape,
@@ -1646,21 +1862,22 @@ class Run:
             self.run_equivalence(tiny_reference)
         if self.model_dir is None or not self.wants("throughput", "decode", "roofline", "serve", "hf"):
             return
-        throughput = run_section(self.results, "throughput", self.section_throughput)
+        throughput = self.section("throughput", self.section_throughput)
         if self.llm is None:
             return
         decode = None
         if self.wants("decode"):
-            decode = run_section(
-                self.results,
+            decode = self.section(
                 "decode",
                 lambda: section_decode(self.llm, settings, args.seed, args.temperature),
             )
         if self.wants("roofline"):
-            run_section(self.results, "roofline", lambda: section_roofline(self.llm, decode, settings))
+            self.section(
+                "roofline",
+                lambda: section_roofline(self.llm, decode, settings, self.requests, throughput, self.dtype),
+            )
         if self.wants("serve"):
-            run_section(
-                self.results,
+            self.section(
                 "serve",
                 lambda: section_serve(
                     self.llm,
@@ -1670,7 +1887,7 @@ class Run:
                 ),
             )
         if self.wants("hf") and throughput is not None:
-            run_section(self.results, "hf", self.section_hf)
+            self.section("hf", self.section_hf)
         self.llm = None
 
     def run_equivalence(self, tiny_reference: bool) -> None:
@@ -1690,8 +1907,7 @@ class Run:
                 default_model_path()
             except FileNotFoundError as exc:
                 logger.info("%s; checking equivalence on a small random Qwen3 instead.", exc)
-                info = run_section(
-                    self.results,
+                info = self.section(
                     "equivalence_model",
                     lambda: write_random_model(
                         settings.equivalence_shape,
@@ -1705,8 +1921,7 @@ class Run:
                 if info is None:
                     return
                 reference, random_model = info["path"], True
-        run_section(
-            self.results,
+        self.section(
             "equivalence",
             lambda: section_equivalence(settings, self.device, self.dtype_name, reference, random_model),
         )
@@ -1744,7 +1959,10 @@ class Run:
             "warmup_s": warm_up(self.llm, settings.shape.vocab_size, settings),
         }
         if self.wants("throughput"):
-            out["engine"] = engine_run(self.llm, self.requests, args.temperature)
+            out["engine"] = engine_run(self.llm, self.requests, args.temperature, trace_steps=True)
+            # Once more: what the first run paid once (allocations, compilations) shows as a difference.
+            self.llm.llm_engine.reset_prefix_cache()
+            out["engine_again"] = engine_run(self.llm, self.requests, args.temperature, trace_steps=True)
             out["passed"] = out["engine"]["output_tokens"] == out["engine"]["expected_output_tokens"]
         return out
 
@@ -1829,11 +2047,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = [s for s in sections if s is not None and s.get("status") == "error"]
     failed = [s for s in sections if s is not None and s.get("passed") is False]
     results["passed"] = not errors and not failed
-    results["total_seconds"] = run.deadline.elapsed
-    write_json(args.output_json, results)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        write_json(os.path.join(out_dir, "gpu_results.json"), results)
+    run.save(final=True)
     print(f"\nresults: {os.path.abspath(args.output_json)} ({run.deadline.elapsed:.0f}s)\n", flush=True)
     print(format_table(summary_rows(results)), flush=True)
     return 0 if results["passed"] else 1
