@@ -164,9 +164,10 @@ def test_compile_for_checks_shared_memory_and_leaves_no_trace() -> None:
 
 
 def test_step_sizes_compile_one_variant() -> None:
-    """Batches of 1, 7 and 16 sequences (and as many tokens) launch the same compiled attention and
-    KV-write kernels: the sizes that change from step to step are not specialised on, so a run does
-    not stop to compile a variant the first time a multiple of 16 comes up."""
+    """Batches of 1, 7 and 16 sequences (as many tokens, block tables 1, 7 and 16 entries wide)
+    launch the same compiled attention and KV-write kernels: the sizes that change from step to step
+    are not specialised on, so a run does not stop to compile a variant the first time one of them
+    is 1 or a multiple of 16."""
     code = textwrap.dedent(
         """
         import torch
@@ -183,7 +184,7 @@ def test_step_sizes_compile_one_variant() -> None:
                     slot_mapping=torch.empty(tokens, dtype=torch.int64, device=dev),
                     query_start_loc=torch.empty(n + 1, dtype=torch.int32, device=dev),
                     seq_lens=torch.empty(n, dtype=torch.int32, device=dev),
-                    block_tables=torch.empty(n, 128, dtype=torch.int32, device=dev),
+                    block_tables=torch.empty(n, n, dtype=torch.int32, device=dev),
                     max_query_len=40, max_seq_len=2048, query_lens_cpu=[40] * n, seq_lens_cpu=[2048] * n,
                 )
                 query = torch.empty(tokens, 16, 128, dtype=torch.bfloat16, device=dev)

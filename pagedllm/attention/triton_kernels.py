@@ -114,7 +114,7 @@ def _write_kv_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM]; written when NUM_SPLITS == 1
     part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM] fp32; written when NUM_SPLITS > 1
