@@ -304,8 +304,6 @@ def build_app(
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=server_version(), lifespan=lifespan)
-    app.state.server_state = state
-    app.state.engine = engine
     names = settings.served_model_names
     shared: dict[str, Any] = {
         "max_logprobs": settings.max_logprobs,
