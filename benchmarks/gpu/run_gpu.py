@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -1251,20 +1252,25 @@ def section_serve(
 # --------------------------------------------------------------------------------------------------
 
 
+def best_time(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of the fastest of 10 calls of ``fn`` (after 2 untimed), the device synchronised around each."""
+    times = []
+    for i in range(12):
+        synchronize(device)
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> dict[str, Any]:
     """Bandwidth of ``dst.copy_(src)`` on ``nbytes`` (bytes read + bytes written per second), best of 10."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     src.random_(0, 255)
     dst = torch.empty_like(src)
-    times = []
-    for i in range(12):
-        synchronize(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    best = min(times)
+    best = best_time(functools.partial(dst.copy_, src), device)
     del src, dst
     free_device_memory(device)
     return {"bytes": nbytes, "best_s": best, "bytes_per_s": 2 * nbytes / best}
@@ -1274,15 +1280,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
     """FLOP/s of an ``n`` x ``n`` x ``n`` matrix product on random data, best of 10."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    best = math.inf
-    for i in range(12):
-        synchronize(device)
-        t = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        if i >= 2:
-            best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_time(lambda: torch.mm(a, b), device)
 
 
 def workload_roofline(
@@ -1296,7 +1294,8 @@ def workload_roofline(
     """The least time the whole workload could take: every decode step reads the weights once and
     the KV cache of every running request (all requests admitted at once, as the KV cache allows
     here) at the copy bandwidth, and the prompts cost their matrix products (2 FLOP per weight per
-    token) at the measured FLOP rate."""
+    token) at the measured FLOP rate. (``pagedllm bench``'s ``workload_floor`` bounds a CPU run,
+    where decode steps can be compute-bound, from the CPU roofline's GEMM rates per row count.)"""
     steps = max(r.output_len for r in requests) - 1  # the first token of each comes from its prefill
     kv_tokens = sum(
         (r.output_len - 1) * len(r.prompt_token_ids) + r.output_len * (r.output_len - 1) // 2

@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from run_gpu import copy_bandwidth  # noqa: E402  (puts the repository on sys.path)
 
 from pagedllm.attention.base import AttentionMetadata  # noqa: E402
 from pagedllm.attention.triton_kernels import (  # noqa: E402
@@ -112,13 +113,6 @@ def time_ms(fn: Any, device: torch.device, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def copy_gbps(device: torch.device, nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, 10)
-    return 2 * nbytes / ms / 1e6
-
-
 def tilings(tiny: bool, num_seqs: int) -> list[AttentionLaunchConfig]:
     if tiny:
         return [AttentionLaunchConfig(16, 16, 1), AttentionLaunchConfig(16, 32, 2, num_warps=2, num_stages=1)]
@@ -172,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results: dict[str, Any] = {"device": str(device), "dtype": str(dtype)}
     if device.type == "cuda":
-        results["copy_GBps"] = copy_gbps(device, 1 << 30)
+        results["copy_GBps"] = copy_bandwidth(device, 1 << 30)["bytes_per_s"] / 1e9
     results["batches"] = [
         sweep(b, device, dtype, args.tiny, args.reps) for b in workload_batches(args.tiny, 0)
     ]
