@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,

@@ -55,3 +55,34 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis.
+
+    ``tokens`` are the prompt's token ids followed by the generated ones (an ending EOS included);
+    ``text`` is the generated part decoded (special tokens skipped). ``score`` is ``cum_logprob``
+    divided by ``generated_len ** length_penalty``. ``finish_reason`` is ``"stop"`` for a hypothesis
+    ended by EOS and ``"length"`` for one cut at ``max_tokens``.
+    """
+
+    tokens: list[int]
+    cum_logprob: float
+    num_prompt_tokens: int
+    score: float
+    finish_reason: str
+    text: str = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The finished hypotheses of one prompt, best (highest score) first."""
+
+    sequences: list[BeamSearchSequence]
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)

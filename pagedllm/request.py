@@ -5,15 +5,32 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pagedllm.structured.grammar import GrammarState
+
+class GrammarState(Protocol):
+    """A constrained sequence's structured-output matcher (:class:`pagedllm.structured.grammar.XGrammarState`).
+
+    Advanced with every output token; once the grammar has matched completely, the only token it
+    allows is a stop token, and accepting that token terminates it.
+    """
+
+    matcher: Any  # the xgrammar matcher, read by the batched bitmask
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) when the grammar does not allow it."""
+        ...
+
+    @property
+    def is_terminated(self) -> bool: ...
+
+    @property
+    def is_completed(self) -> bool: ...
 
 
 class RequestStatus(enum.Enum):

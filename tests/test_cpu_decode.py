@@ -13,8 +13,8 @@ import torch
 from model_factory import make_tiny_hf_model
 from pagedllm import SamplingParams
 from pagedllm.attention.base import AttentionMetadata
+from pagedllm.kernels.cpu.library import kernels_available
 from pagedllm.model.llama import ForwardContext
-from pagedllm.native import kernels_available
 
 needs_native = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
 

@@ -735,8 +735,8 @@ def test_async_engine_death_fails_requests() -> None:
 
 
 def _scripted_app(fake: ScriptedEngine) -> tuple[Any, AsyncLLMEngine]:
+    from pagedllm.engine.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app
-    from pagedllm.metrics import EngineMetrics
 
     engine = AsyncLLMEngine(fake, metrics=EngineMetrics("scripted"))
     return build_app(engine, ServerSettings(served_model_names=["scripted"]), engine.metrics), engine

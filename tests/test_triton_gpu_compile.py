@@ -112,7 +112,7 @@ def test_compile_for_checks_shared_memory_and_leaves_no_trace() -> None:
     code = textwrap.dedent(
         """
         import torch, triton
-        from pagedllm.attention import triton_aot, triton_kernels
+        from pagedllm.kernels.triton import aot as triton_aot, triton_kernels
         from pagedllm.attention.base import AttentionMetadata
 
         meta_dev = torch.device("meta")
@@ -157,7 +157,7 @@ def test_compile_for_checks_shared_memory_and_leaves_no_trace() -> None:
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
     refused = run_python(
-        ["-c", "from pagedllm.attention import triton_aot\nwith triton_aot.compile_for(): pass"],
+        ["-c", "from pagedllm.kernels.triton import aot as triton_aot\nwith triton_aot.compile_for(): pass"],
         interpret=True,
     )
     assert refused.returncode != 0 and "TRITON_INTERPRET=1" in refused.stderr
@@ -171,7 +171,7 @@ def test_step_sizes_compile_one_variant() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from pagedllm.attention import triton_aot, triton_kernels as tk
+        from pagedllm.kernels.triton import aot as triton_aot, triton_kernels as tk
         from pagedllm.attention.base import AttentionMetadata
 
         dev = torch.device("meta")

@@ -19,7 +19,8 @@ from attention_cases import MIXED, Batch, assert_close, reference_attention  # n
 
 from pagedllm.attention.base import AttentionMetadata  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pagedllm.attention.triton_kernels import AttentionLaunchConfig, paged_attention, write_kv  # noqa: E402
+from pagedllm.kernels.triton.attention import AttentionLaunchConfig, paged_attention  # noqa: E402
+from pagedllm.kernels.triton.kv_write import write_kv  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -263,7 +264,7 @@ def test_compiled_kernels_on_gpu() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_and_activation(dtype: torch.dtype) -> None:
-    from pagedllm import layers_triton as lt
+    from pagedllm.kernels.triton import elementwise as lt
 
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(5, 96, generator=gen).to(dtype)

@@ -1,7 +1,7 @@
 """Compile every Triton kernel variant the engine launches on an H200, without a GPU, and report them.
 
 For each model and dtype the model's forward runs on the meta device (shapes only, no data) inside
-``pagedllm.attention.triton_aot.compile_for(H200)``, so each launch is compiled by Triton's JIT for
+``pagedllm.kernels.triton.aot.compile_for(H200)``, so each launch is compiled by Triton's JIT for
 sm_90 down to the cubin instead of running:
 
 * decode steps as CUDA graphs run them: one forward per batch-size bucket (1, 2, 4, 8, 16, ... up to
@@ -37,9 +37,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from run_gpu import QWEN3_0_6B  # noqa: E402
 
-from pagedllm.attention import triton_aot  # noqa: E402
 from pagedllm.attention.base import AttentionMetadata  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagedllm.kernels.triton import aot as triton_aot  # noqa: E402
 from pagedllm.model.config import ModelConfig  # noqa: E402
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
 from pagedllm.sample import Sampler, SamplingBatch  # noqa: E402

@@ -41,8 +41,8 @@ from host_step import attach_stub_graphs  # noqa: E402
 from pagedllm import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from pagedllm.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedllm.engine.metrics import EngineMetrics  # noqa: E402
 from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app  # noqa: E402
-from pagedllm.metrics import EngineMetrics  # noqa: E402
 
 
 class StepClock:

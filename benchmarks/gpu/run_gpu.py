@@ -66,7 +66,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from pagedllm.hf_compare import greedy_compare, hf_greedy  # noqa: E402
+from pagedllm.bench.hf_reference import greedy_compare, hf_greedy  # noqa: E402
 
 logger = logging.getLogger("run_gpu")
 
@@ -449,7 +449,7 @@ def run_attention_case(case: AttentionCase, device: torch.device, seed: int) -> 
 
 
 def run_write_kv_case(device: torch.device, dtype: torch.dtype, seed: int, scale: str) -> dict[str, Any]:
-    from pagedllm.attention.triton_kernels import write_kv
+    from pagedllm.kernels.triton.kv_write import write_kv
 
     gen = torch.Generator().manual_seed(seed)
     num_blocks, block_size, kv_heads, head_dim = (6, 16, 2, 32) if scale == "tiny" else (64, 16, 8, 128)
@@ -473,7 +473,7 @@ def run_write_kv_case(device: torch.device, dtype: torch.dtype, seed: int, scale
 
 
 def run_elementwise_cases(device: torch.device, seed: int, scale: str) -> list[tuple[str, dict[str, Any]]]:
-    from pagedllm import layers_triton as lt
+    from pagedllm.kernels.triton import elementwise as lt
 
     use_triton = True  # the interpreter on CPU tensors, compiled kernels on CUDA ones
     gen = torch.Generator().manual_seed(seed)
@@ -1178,8 +1178,8 @@ def section_serve(
     import httpx
 
     from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app
-    from pagedllm.metrics import EngineMetrics
 
     reqs = [WorkloadRequest(r.prompt_token_ids, min(r.output_len, max_output)) for r in requests]
     engine = llm.llm_engine

@@ -5,7 +5,7 @@ dominate the throughput workload (Qwen3-0.6B's attention shape, bf16, 16-token b
 Each batch's caches are random, on the device, with shuffled physical blocks; every tiling's output
 is compared with the default tiling's (a broken tiling shows as a large difference), and its time is
 turned into the bandwidth of the K/V bytes it must read. The default tiling
-(:func:`pagedllm.attention.triton_kernels.choose_config`) is marked. A device-to-device copy gives
+(:func:`pagedllm.kernels.triton.attention.choose_config`) is marked. A device-to-device copy gives
 the bandwidth to compare with.
 
     python benchmarks/gpu/tune_attention.py --output-json tune_attention.json
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from run_gpu import copy_bandwidth  # noqa: E402  (puts the repository on sys.path)
 
 from pagedllm.attention.base import AttentionMetadata  # noqa: E402
-from pagedllm.attention.triton_kernels import (  # noqa: E402
+from pagedllm.kernels.triton.attention import (  # noqa: E402
     AttentionLaunchConfig,
     choose_config,
     paged_attention,

@@ -1,4 +1,5 @@
-"""The interface every attention backend implements, and the batch metadata it reads.
+"""The interface every attention backend implements, and the batch metadata it reads
+(:class:`AttentionMetadata`, defined beside the kernels that read it).
 
 KV cache layout (per layer): ``k_cache`` and ``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Slot ``s`` is block ``s // block_size``,
@@ -14,31 +15,13 @@ The K/V of the new tokens are written at ``slot_mapping`` before attention reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from pagedllm.kernels.attention_metadata import AttentionMetadata
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = do not write (padding)
-    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
-    seq_lens: torch.Tensor  # [B] int32, total context length per request (incl. new tokens)
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
-    max_query_len: int
-    max_seq_len: int
-    # Host-side copies, so backends never need a device sync to read them.
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
+__all__ = ["AttentionBackend", "AttentionMetadata"]
 
 
 class AttentionBackend(Protocol):
@@ -65,43 +48,15 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    # Whether CUDA graphs can capture this backend's launches (no host syncs, and a launch shape that
+    # for_graph_capture can fix for a batch size).
+    supports_graph_capture: bool
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        from pagedllm.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "cpu":
-        from pagedllm.attention.cpu_backend import CPUAttentionBackend
-
-        return CPUAttentionBackend()
-    if name == "triton":
-        from pagedllm.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton', got {name!r}.")
-
-
-def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend to use: ``requested``, checked, or the best available when it is None.
-
-    Default: ``"triton"`` on CUDA; on the CPU ``"cpu"`` for float32 models when its native kernel
-    builds (see :mod:`pagedllm.native`), else ``"torch"``.
-    """
-    if requested == "cpu":
-        from pagedllm.native import load_library
-
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError("attention_backend 'cpu' needs device 'cpu' and dtype float32.")
-        load_library()  # raises with the compiler's message
-        return requested
-    if requested is not None:
-        return requested
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu" and dtype == torch.float32:
-        from pagedllm.native import kernels_available
-
-        if kernels_available():
-            return "cpu"
-    return "torch"
+    def for_graph_capture(
+        self,
+        query: torch.Tensor,  # [batch_size, num_heads, head_dim], the bucket's shape
+        k_cache: torch.Tensor,
+        meta: AttentionMetadata,  # the bucket's static metadata, contexts up to meta.max_seq_len
+    ) -> AttentionBackend:
+        """A backend whose launches for this bucket do not depend on the step's context lengths."""
+        ...

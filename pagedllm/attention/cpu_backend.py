@@ -1,8 +1,8 @@
 """CPU attention backend: decodes and prompt chunks read the paged cache in place with native kernels.
 
 The torch reference backend gathers every decode's K/V into a padded copy before attending, which
-moves each cached byte three times per layer; :func:`pagedllm.attention.cpu_kernels.paged_decode_attention`
-reads each once. Prompt chunks go to :func:`~pagedllm.attention.cpu_kernels.paged_prefill_attention`,
+moves each cached byte three times per layer; :func:`pagedllm.kernels.cpu.attention.paged_decode_attention`
+reads each once. Prompt chunks go to :func:`~pagedllm.kernels.cpu.attention.paged_prefill_attention`,
 all of a step's chunks in one call (the torch backend makes a K/V gather and an SDPA call per chunk,
 whose fixed costs dominate at prompt lengths of a few hundred tokens); head sizes that are not a
 multiple of 16 keep the torch path. K/V writes stay with the torch backend.
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.attention.cpu_kernels import (
+from pagedllm.attention.torch_backend import BatchPlan, TorchAttentionBackend
+from pagedllm.kernels.cpu.attention import (
     paged_decode_attention,
     paged_prefill_attention,
     prefill_kernel_supports,
 )
-from pagedllm.attention.torch_backend import BatchPlan, TorchAttentionBackend
 
 
 @dataclass

@@ -103,6 +103,7 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    supports_graph_capture = False
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
@@ -231,6 +232,11 @@ class TorchAttentionBackend:
             key, value, slot_mapping = key[rows], value[rows], slot_mapping[rows]
         k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def for_graph_capture(
+        self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> TorchAttentionBackend:
+        raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs.")
 
     def forward(
         self,

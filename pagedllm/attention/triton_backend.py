@@ -1,4 +1,4 @@
-"""Attention backend built on the Triton kernels of :mod:`pagedllm.attention.triton_kernels`.
+"""Attention backend built on the Triton kernels of :mod:`pagedllm.kernels.triton.attention`.
 
 Runs on CUDA tensors with compiled kernels and on CPU tensors under the Triton interpreter (slow, for
 tests). Importing it needs the ``triton`` package but no GPU.
@@ -15,20 +15,22 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "The 'triton' attention backend needs the triton package (pip install 'pagedllm[gpu]')."
     ) from exc
 
-from pagedllm.attention import triton_kernels
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.attention.triton_kernels import AttentionLaunchConfig
+from pagedllm.kernels.triton import attention as triton_kernels
+from pagedllm.kernels.triton.attention import AttentionLaunchConfig
+from pagedllm.kernels.triton.kv_write import write_kv
 
 
 class TritonAttentionBackend:
     """Paged attention with Triton kernels: one launch per ``write_kv`` and one or two per ``forward``.
 
     ``block_m``, ``tile_n`` and ``num_splits`` override the automatic tiling (see
-    :func:`pagedllm.attention.triton_kernels.choose_config`); a fixed ``num_splits`` keeps the launch
+    :func:`pagedllm.kernels.triton.attention.choose_config`); a fixed ``num_splits`` keeps the launch
     grid of a decode batch independent of its context lengths, as CUDA graph capture requires.
     """
 
     name = "triton"
+    supports_graph_capture = True
 
     def __init__(
         self,
@@ -52,7 +54,7 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        triton_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def launch_config(
         self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
@@ -65,6 +67,15 @@ class TritonAttentionBackend:
             )
             self._config_key = key
         return self._config
+
+    def for_graph_capture(
+        self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> TritonAttentionBackend:
+        """A backend with the tiling chosen for the bucket's longest context, fixed (split-K included)."""
+        launch = triton_kernels.choose_config(query, k_cache, meta)
+        return TritonAttentionBackend(
+            block_m=launch.block_m, tile_n=launch.tile_n, num_splits=launch.num_splits
+        )
 
     def forward(
         self,

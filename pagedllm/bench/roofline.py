@@ -150,12 +150,12 @@ def measure_gemm(
 
     Each way of multiplying available here is timed: a plain ``F.linear`` (reported as ``matmul``),
     MKL-packed weights through ``torch.ops.mkl`` where torch has them, and for float32 the kernel
-    library's panel weights the engine uses (:mod:`pagedllm.model.cpu_linear`); the rate is the
+    library's panel weights the engine uses (:mod:`pagedllm.kernels.cpu.linear`); the rate is the
     fastest. Each layer is timed on its own, repeatedly, so its weight is cache-hot: an upper bound
     on the rate of a forward pass, which reads each weight once.
     """
-    from pagedllm.model.cpu_linear import PanelLinear
-    from pagedllm.native import kernels_available
+    from pagedllm.kernels.cpu.library import kernels_available
+    from pagedllm.kernels.cpu.linear import PanelLinear
 
     weights = [(torch.randn(n, k, dtype=dtype) * 0.02, c) for n, k, c in sizes.linear_shapes]
     inputs = {k: torch.randn(tokens, k, dtype=dtype) for _, k, _ in sizes.linear_shapes}

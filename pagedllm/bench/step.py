@@ -2,7 +2,7 @@
 
 ``--batch-size`` requests with random prompts of ``--context-len`` tokens are prefilled, then
 ``--steps`` decode-only steps are timed phase by phase with the engine's own step timers
-(:class:`pagedllm.engine.stats.StepPhaseTimes`): scheduling, input preparation, the model forward
+(:class:`pagedllm.worker.phase_times.StepPhaseTimes`): scheduling, input preparation, the model forward
 (LM head included), sampling, and output processing (token bookkeeping, stop checks,
 detokenization, building outputs). Everything but the forward is the engine's per-step overhead.
 """

@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pagedllm.beam_search import BeamSearchOutput, BeamSearchRun
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
+from pagedllm.engine.metrics import EngineMetrics, StatLogger
 from pagedllm.engine.stats import EngineStats
-from pagedllm.metrics import EngineMetrics, StatLogger
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -265,7 +265,7 @@ class AsyncLLMEngine:
         max_logprobs: int,
         request_id: str | None = None,
     ) -> list[BeamSearchOutput]:
-        """Beam search over ``(text, token_ids)`` prompts, scored as :func:`pagedllm.beam_search.beam_search`.
+        """Beam search over ``(text, token_ids)`` prompts, scored as :func:`pagedllm.engine.beam_search.beam_search`.
 
         Each step submits the one-token request of every live beam concurrently, so they share engine
         steps with each other and with other requests. The hypotheses' text is not decoded (the engine's

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.attention.base import choose_attention_backend
+from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.stats import EngineStats, StepPhaseTimes
+from pagedllm.engine.stats import EngineStats
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
@@ -25,6 +25,7 @@ from pagedllm.sample.sampler import SampledBatch
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagedllm.worker.phase_times import StepPhaseTimes
 
 if TYPE_CHECKING:
     from pagedllm.structured import StructuredOutputManager

@@ -19,21 +19,3 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     prompt_tokens: int = 0  # prompt tokens computed (prefill), total
     generation_tokens: int = 0  # tokens generated, total
-
-
-@dataclass
-class StepPhaseTimes:
-    """Host wall-clock seconds spent in each phase of :meth:`LLMEngine.step`, summed over steps.
-
-    ``prepare`` builds the batch's input tensors; ``forward`` runs the model and the LM head;
-    ``sample`` covers building the sampling batch and the sampler; ``outputs`` the token
-    bookkeeping, stop checks, detokenization and output objects. On a GPU these are host times
-    (kernels run asynchronously), not device times.
-    """
-
-    steps: int = 0
-    schedule: float = 0.0
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    outputs: float = 0.0

@@ -10,8 +10,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.beam_search import BeamSearchOutput, beam_search
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, beam_search
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -100,7 +100,7 @@ class LLM:
         """Beam search (scored as HF transformers with ``early_stopping=True``), one output per prompt.
 
         Each output's ``sequences`` are its ``beam_width`` finished hypotheses, best first; see
-        :mod:`pagedllm.beam_search`.
+        :mod:`pagedllm.engine.beam_search`.
         """
         return beam_search(self.llm_engine, _as_prompt_list(prompts), params, use_tqdm=use_tqdm)
 

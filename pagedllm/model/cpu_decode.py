@@ -5,7 +5,7 @@ K/V write and the paged attention per layer); from Python each costs interpreter
 (and the interpreter's cache misses between kernels), which at decode batch sizes comes to a sixth
 of the step at 32 sequences and a third at 4. :class:`NativeDecodeLayers` runs
 the same kernels in the same order from C (``llama_decode_layers_f32`` in
-``pagedllm/csrc/decode_layers_cpu.c``), on the model's own weights, panel weights and KV cache, so
+``pagedllm/kernels/csrc/decode_layers_cpu.c``), on the model's own weights, panel weights and KV cache, so
 its hidden states equal the Python forward's. Steps with any prompt chunk, and models it does not
 cover, take the Python forward; ``enforce_eager`` turns it off, as it does CUDA graphs.
 """
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.model.cpu_linear import PanelLinear
+from pagedllm.kernels.cpu.library import kernels_available, load_library
+from pagedllm.kernels.cpu.linear import PanelLinear
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
-from pagedllm.native import kernels_available, load_library
 
 
 def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str | None:

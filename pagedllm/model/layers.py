@@ -1,7 +1,7 @@
 """Building blocks of decoder-only transformers: RMSNorm, rotary embedding, SwiGLU.
 
 RMSNorm (with and without the residual add) and SiLU-and-mul run as fused Triton kernels on CUDA
-tensors and as the equivalent torch code elsewhere (see :mod:`pagedllm.layers_triton`).
+tensors and as the equivalent torch code elsewhere (see :mod:`pagedllm.kernels.triton.elementwise`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm import layers_cpu, layers_triton
+from pagedllm.kernels.cpu import ops as layers_cpu
+from pagedllm.kernels.triton import elementwise as layers_triton
 
 
 class RMSNorm(nn.Module):

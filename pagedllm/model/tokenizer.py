@@ -23,20 +23,12 @@ from pathlib import Path
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedllm.utils import cache_root
+
 logger = logging.getLogger(__name__)
 
 # Written last into a cache entry; an entry without it is ignored.
 _COMPLETE_MARKER = "pagedllm_cache.json"
-
-
-def cache_root() -> Path:
-    """The root of pagedllm's on-disk cache."""
-    explicit = os.environ.get("PAGEDLLM_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "pagedllm"
 
 
 def gguf_tokenizer_cache_dir(gguf_path: str) -> Path:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm import layers_cpu
+from pagedllm.kernels.cpu import ops as layers_cpu
 from pagedllm.outputs import Logprob
 from pagedllm.sample.penalties import apply_penalties, device_tensor, flatten_token_ids
 from pagedllm.sampling_params import SamplingParams
@@ -168,7 +168,7 @@ def filter_thresholds(
 
     Finding those rows reads a flag back from the device. With ``settle_on_device`` (the default off
     the CPU) nothing is read back: a Triton kernel settles the rows the first candidate set left
-    open on the device, see :mod:`pagedllm.sample.threshold_kernel`.
+    open on the device, see :mod:`pagedllm.kernels.triton.sampling`.
     """
     num_rows, vocab_size = probs.shape
     device = probs.device
@@ -205,7 +205,7 @@ def filter_thresholds(
         if remaining is None:
             thresholds = rows_thresholds if done is None else torch.where(done, rows_thresholds, thresholds)
             if done is not None and (device.type != "cpu" if settle_on_device is None else settle_on_device):
-                from pagedllm.sample.threshold_kernel import settle_thresholds  # needs triton
+                from pagedllm.kernels.triton.sampling import settle_thresholds  # needs triton
 
                 settle_thresholds(probs.contiguous(), k_all, p_all, done, thresholds)
                 return thresholds

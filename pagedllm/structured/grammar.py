@@ -8,8 +8,10 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from pagedllm.request import GrammarState
 
-class GrammarState:
+
+class XGrammarState:
     """The xgrammar matcher of one constrained sequence.
 
     It is advanced with every output token. Once the grammar has matched completely, the only token it

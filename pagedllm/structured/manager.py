@@ -10,7 +10,7 @@ from typing import Any
 import xgrammar as xgr
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured.grammar import GrammarState
+from pagedllm.structured.grammar import XGrammarState
 
 # The cache key of a compiled grammar: its kind and the constraint as a string.
 GrammarKey = tuple[str, str]
@@ -136,9 +136,9 @@ class StructuredOutputManager:
                 f"structured_outputs.{kind}: invalid {_KIND_NAMES[kind]}: {_describe(e)}"
             ) from None
 
-    def new_state(self, compiled: xgr.CompiledGrammar) -> GrammarState:
+    def new_state(self, compiled: xgr.CompiledGrammar) -> XGrammarState:
         """A fresh matcher for one sequence."""
-        return GrammarState(compiled)
+        return XGrammarState(compiled)
 
     def cache_info(self) -> dict[str, int]:
         return {"size": len(self._cache), "capacity": self.cache_size, "compilations": self.num_compilations}

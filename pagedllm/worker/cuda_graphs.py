@@ -14,7 +14,7 @@ What capture relies on:
 
 * Every tensor the graph reads is a static buffer (inputs, KV caches, weights) updated in place; the
   attention metadata of each bucket is one object built from views of those buffers.
-* Attention runs on the Triton backend with a launch configuration fixed per bucket (chosen for the
+* Attention runs on a backend that supports capture (Triton) with a launch configuration fixed per bucket (chosen for the
   longest possible context), so the launch grid never depends on the context lengths of a step.
 * The forward never synchronises with the host (no ``.item()``, ``.tolist()`` or tensor truth values).
 * Each bucket runs once eagerly before it is captured, so Triton compiles its kernels (and cuBLAS
@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.selector import get_attention_backend
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
@@ -167,9 +168,14 @@ class CUDAGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        backend: AttentionBackend | None = None,
     ) -> None:
+        """``backend`` must support graph capture (default: the Triton backend)."""
         self.model = model
         self.kv_caches = kv_caches
+        self.backend = backend if backend is not None else get_attention_backend("triton")
+        if not self.backend.supports_graph_capture:
+            raise ValueError(f"attention backend {self.backend.name!r} does not support CUDA graphs.")
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -240,19 +246,13 @@ class CUDAGraphRunner:
         return meta
 
     def _backend(self, batch_size: int) -> AttentionBackend:
-        """A Triton attention backend whose launch configuration suits any context of this bucket."""
-        from pagedllm.attention import triton_kernels
-        from pagedllm.attention.triton_backend import TritonAttentionBackend
-
+        """An attention backend whose launches suit any context of this bucket (asked of the backend)."""
         cfg = self.model.config
         k_cache = self.kv_caches[0][0]
         query = torch.empty(
             batch_size, cfg.num_attention_heads, cfg.head_dim, dtype=k_cache.dtype, device=self.device
         )
-        launch = triton_kernels.choose_config(query, k_cache, self.metadata(batch_size))
-        return TritonAttentionBackend(
-            block_m=launch.block_m, tile_n=launch.tile_n, num_splits=launch.num_splits
-        )
+        return self.backend.for_graph_capture(query, k_cache, self.metadata(batch_size))
 
     def _forward(self, batch_size: int, ctx: ForwardContext) -> torch.Tensor:
         b = batch_size

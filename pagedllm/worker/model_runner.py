@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.attention.base import AttentionBackend, AttentionMetadata, get_attention_backend
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.selector import get_attention_backend
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.engine.stats import StepPhaseTimes
+from pagedllm.kernels.cpu.linear import optimize_cpu_linears
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
-from pagedllm.model.cpu_linear import optimize_cpu_linears
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.outputs import Logprob
@@ -22,6 +22,7 @@ from pagedllm.sample.sampler import SampledBatch, Sampler, SamplingBatch
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
+from pagedllm.worker.phase_times import StepPhaseTimes
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +182,9 @@ class ModelRunner:
         assert self.kv_cache is not None, "KV cache not allocated"
         if self.device.type != "cuda":
             return
-        if self.backend.name != "triton":
+        if not self.backend.supports_graph_capture:
             logger.info(
-                "CUDA graphs need the triton attention backend; running %s eagerly.", self.backend.name
+                "The %s attention backend does not support CUDA graphs; running eagerly.", self.backend.name
             )
             return
         graphs = CUDAGraphRunner(
@@ -193,6 +194,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             device=self.device,
+            backend=self.backend,
         )
         graphs.capture()
         self.cuda_graphs = graphs

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.metrics import CONTENT_TYPE, EngineMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,7 +47,6 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception, private_tokenizer
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedllm.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 

@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from pagedllm.beam_search import BeamSearchOutput
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -36,7 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
     PromptLogprobs,
     SamplingRequest,
 )
-from pagedllm.outputs import Logprob
+from pagedllm.outputs import BeamSearchOutput, Logprob
 from pagedllm.outputs import PromptLogprobs as EnginePromptLogprobs
 from pagedllm.sampling_params import (
     BeamSearchParams,

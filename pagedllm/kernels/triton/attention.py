@@ -1,10 +1,9 @@
-"""Triton kernels for the paged KV cache: KV writes and attention over mixed batches.
+"""Triton paged attention over mixed batches (prefill chunks with cached prefixes, and decodes).
 
-Three kernels:
+Two kernels:
 
-* ``_write_kv_kernel`` scatters new key/value rows into the paged caches at their slots.
-* ``_paged_attention_kernel`` computes causal attention for every query token of a mixed batch (prefill
-  chunks with cached prefixes and decodes) directly from the paged cache. One program owns a tile of
+* ``_paged_attention_kernel`` computes causal attention for every query token of a mixed batch
+  directly from the paged cache. One program owns a tile of
   ``BLOCK_M`` rows made of ``BLOCK_Q`` consecutive query tokens of one request times the
   ``QUERIES_PER_KV`` query heads that share one KV head, so every K/V tile it loads is reused by the
   whole head group (GQA). It walks the request's context in tiles of ``TILE_N`` positions, looking up
@@ -15,25 +14,21 @@ Three kernels:
   log-sum-exp, and ``_merge_splits_kernel`` combines them.
 * ``_merge_splits_kernel`` merges the per-split partial outputs of each (token, head).
 
-All kernels take element strides, so caches and queries may be views, and compute in fp32 whatever
-the storage dtype (fp32, fp16, bf16). On CPU tensors they run under the Triton interpreter: set
-``TRITON_INTERPRET=1`` before triton is imported, or simply pass CPU tensors, in which case the launch
-helpers below switch to an interpreted copy of the kernel.
+The KV write is in :mod:`pagedllm.kernels.triton.kv_write`. All kernels take element strides, so
+caches and queries may be views, and compute in fp32 whatever the storage dtype (fp32, fp16, bf16).
+On CPU tensors they run under the Triton interpreter (see :mod:`pagedllm.kernels.triton.launch`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.base import AttentionMetadata
+from pagedllm.kernels.attention_metadata import AttentionMetadata
+from pagedllm.kernels.triton.launch import is_interpreted, last_dim_contiguous, launch, num_sms
 
 # log2(e): the kernels work with exp2, so scores are scaled by softmax_scale * LOG2E.
 LOG2E = 1.4426950408889634
@@ -42,76 +37,6 @@ LOG2E = 1.4426950408889634
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
-
-
-# Arguments that change from step to step are not specialised on (Triton otherwise compiles a
-# variant for values equal to 1 and for multiples of 16, the first time each kind comes up mid-run).
-@triton.jit(do_not_specialize=["num_tokens"])
-def _write_kv_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    num_tokens,
-    stride_key_tok,
-    stride_key_head,
-    stride_value_tok,
-    stride_value_head,
-    stride_kc_block,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_slot,
-    stride_vc_head,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """Grid ``(cdiv(num_tokens, BLOCK_T), cdiv(NUM_KV_HEADS * HEAD_DIM, BLOCK_C))``.
-
-    Each program copies a ``[BLOCK_T tokens, BLOCK_C (head, dim) columns]`` tile; tokens whose slot is
-    negative are skipped.
-    """
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    head = col // HEAD_DIM
-    dim = col % HEAD_DIM
-
-    slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
-    mask = (slot >= 0)[:, None] & (col < NUM_KV_HEADS * HEAD_DIM)[None, :]
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    tok64 = tok.to(tl.int64)
-
-    key = tl.load(
-        key_ptr + tok64[:, None] * stride_key_tok + head[None, :] * stride_key_head + dim[None, :],
-        mask=mask,
-    )
-    tl.store(
-        k_cache_ptr
-        + block[:, None] * stride_kc_block
-        + offset[:, None] * stride_kc_slot
-        + head[None, :] * stride_kc_head
-        + dim[None, :],
-        key,
-        mask=mask,
-    )
-    value = tl.load(
-        value_ptr + tok64[:, None] * stride_value_tok + head[None, :] * stride_value_head + dim[None, :],
-        mask=mask,
-    )
-    tl.store(
-        v_cache_ptr
-        + block[:, None] * stride_vc_block
-        + offset[:, None] * stride_vc_slot
-        + head[None, :] * stride_vc_head
-        + dim[None, :],
-        value,
-        mask=mask,
-    )
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
@@ -324,157 +249,6 @@ def _merge_splits_kernel(
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _interpreted(fn: Any) -> Any:
-    """An interpreted twin of a ``@triton.jit`` function."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(fn)
-
-
-def _is_interpreted(kernel: Any, device: torch.device) -> bool:
-    """Whether launching ``kernel`` on ``device`` runs the Triton interpreter."""
-    return device.type == "cpu" or not isinstance(kernel, triton.runtime.JITFunction)
-
-
-@contextlib.contextmanager
-def _interpreter_scope() -> Iterator[None]:
-    """Settings for running our kernels in the interpreter.
-
-    * Library functions (``tl.max``, ``tl.sum``) are decorated when triton is imported; if
-      ``TRITON_INTERPRET`` was not set then, they are compiled-only objects that refuse direct calls.
-      Route such calls to interpreted twins, undoing each call's patches of ``triton.language`` when it
-      returns so compiled kernels are unaffected afterwards.
-    * Skip the interpreter's integer-overflow checks (compiled kernels only check them in debug
-      builds); they make up about a third of the interpretation cost.
-    """
-    from triton.runtime import interpreter
-
-    jit_cls = triton.runtime.JITFunction
-    original_call = jit_cls.__call__
-    builder = interpreter.interpreter_builder
-    original_options = builder.options
-
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        scope = interpreter._patch_lang(self.fn)
-        try:
-            return _interpreted(self.fn).rewrite()(*args, **kwargs)
-        finally:
-            scope.restore()
-
-    jit_cls.__call__ = call  # type: ignore[method-assign]
-    builder.options = dataclasses.replace(original_options, sanitize_overflow=False)
-    try:
-        yield
-    finally:
-        jit_cls.__call__ = original_call  # type: ignore[method-assign]
-        builder.options = original_options
-
-
-def launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel``: compiled on GPUs, interpreted on CPU tensors whatever ``TRITON_INTERPRET`` says.
-
-    On meta tensors nothing runs; inside :func:`pagedllm.attention.triton_aot.compile_for` the kernel
-    is compiled for that scope's GPU.
-    """
-    if device.type == "meta":
-        from pagedllm.attention import triton_aot  # not needed on the GPU path
-
-        triton_aot.compile_launch(kernel, grid, *args, **kwargs)
-        return
-    if not _is_interpreted(kernel, device):
-        kernel[grid](*args, **kwargs)
-        return
-    if isinstance(kernel, triton.runtime.JITFunction):
-        kernel = _interpreted(kernel.fn)
-    with _interpreter_scope():
-        kernel[grid](*args, **kwargs)
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of the GPU ``device`` (meta: the GPU being compiled for)."""
-    if device.type == "meta":
-        from pagedllm.attention import triton_aot
-
-        return (triton_aot.current_spec() or triton_aot.H200).num_sms
-    return _cuda_num_sms(device.index or 0)
-
-
-@functools.cache
-def _cuda_num_sms(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` (-1 skips)."""
-    num_tokens = key.shape[0]
-    if num_tokens == 0:
-        return
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if key.shape[1:] != (num_kv_heads, head_dim) or value.shape != key.shape:
-        raise ValueError(
-            f"key/value of shape {tuple(key.shape)}/{tuple(value.shape)} do not match a cache with "
-            f"{num_kv_heads} KV heads of dim {head_dim}."
-        )
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("KV caches must be contiguous along head_dim.")
-    # Casting here (round-to-nearest-even in torch) keeps the stored values identical on every
-    # platform; the interpreter truncates in-kernel fp32 -> bf16 casts.
-    key = _last_dim_contiguous(key.to(k_cache.dtype))
-    value = _last_dim_contiguous(value.to(v_cache.dtype))
-    cols = num_kv_heads * head_dim
-    if key.device.type == "cpu":
-        # Interpreter: few, large programs.
-        block_c = triton.next_power_of_2(cols)
-        block_t = max(1, min(64, 16384 // block_c))
-    else:
-        block_c = min(triton.next_power_of_2(cols), 512)
-        block_t = 8
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(cols, block_c))
-    launch(
-        _write_kv_kernel,
-        grid,
-        key.device,
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        num_tokens,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
-        num_warps=4,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionLaunchConfig:
     """Tiling of one ``paged_attention`` launch.
@@ -534,7 +308,7 @@ def choose_config(
         if on_gpu:
             # Split the context when the batch alone cannot fill the GPU, keeping >= 4 tiles per split.
             programs = num_query_programs(meta, block_m // group) * num_kv_heads
-            target = 2 * _num_sms(query.device)
+            target = 2 * num_sms(query.device)
             max_tiles = triton.cdiv(meta.max_seq_len, tile_n)
             want = min(triton.cdiv(target, max(programs, 1)), max_tiles // 4, 16)
             num_splits = triton.next_power_of_2(want) if want > 1 else 1
@@ -571,8 +345,8 @@ def paged_attention(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous along head_dim.")
     out_dtype = query.dtype
-    query = _last_dim_contiguous(query.to(k_cache.dtype))
-    block_tables = _last_dim_contiguous(meta.block_tables)
+    query = last_dim_contiguous(query.to(k_cache.dtype))
+    block_tables = last_dim_contiguous(meta.block_tables)
     num_real_tokens = sum(meta.query_lens_cpu)
     if out is None:
         alloc = torch.empty if num_real_tokens == num_tokens else torch.zeros
@@ -632,7 +406,7 @@ def paged_attention(
         NUM_SPLITS=cfg.num_splits,
         DECODE_ONLY=decode_only,
         IEEE_DOT=k_cache.dtype == torch.float32,
-        UPCAST_DOT=_is_interpreted(_paged_attention_kernel, device),
+        UPCAST_DOT=is_interpreted(_paged_attention_kernel, device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,4 +1,4 @@
-"""Native CPU kernels, compiled from ``pagedllm/csrc/*.c`` with the system C compiler on first use.
+"""Native CPU kernels, compiled from ``pagedllm/kernels/csrc/*.c`` with the system C compiler on first use.
 
 The shared library is built once per source version and CPU (``-O3 -march=native -fopenmp``) into
 pagedllm's cache directory and loaded with ctypes; calls release the GIL. It links the OpenMP
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from pagedllm.model.tokenizer import cache_root
+from pagedllm.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_SOURCES = sorted((Path(__file__).parent.parent / "csrc").glob("*.c"))
 # -ffast-math lets the compiler vectorise expf (glibc's libmvec) and reassociate sums; it is given
 # to the compile step only, so that the link does not add crtfastmath.o (which would set
 # flush-to-zero for the whole process).

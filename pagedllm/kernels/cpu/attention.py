@@ -1,10 +1,10 @@
-"""The paged decode attention kernel of the native CPU library (see :mod:`pagedllm.native`)."""
+"""The paged decode attention kernel of the native CPU library (see :mod:`pagedllm.kernels.cpu.library`)."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.native import load_library
+from pagedllm.kernels.cpu.library import load_library
 
 
 def paged_decode_attention(

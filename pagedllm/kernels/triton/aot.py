@@ -2,7 +2,7 @@
 
 Meta tensors carry shapes, dtypes and strides but no data, so torch operations on them only work out
 result shapes. :func:`compile_for` extends that to our Triton launches: inside it, a kernel launched
-(through :func:`pagedllm.attention.triton_kernels.launch`) on meta tensors is specialised and compiled
+(through :func:`pagedllm.kernels.triton.attention.launch`) on meta tensors is specialised and compiled
 by Triton's own JIT for the given GPU, down to the cubin that ``ptxas`` assembles, and nothing runs.
 This catches, on a machine without a GPU, what the interpreter cannot: constructs the GPU compiler
 rejects (``tl.dot`` tile shapes, dtype mixes) and tilings that need more shared memory than the GPU

@@ -8,8 +8,8 @@ The kernels follow the torch formulas of :mod:`pagedllm.model.layers` step by st
 intermediate values to the input dtype where torch does, so both paths agree up to the last-bit
 differences of fp32 ``exp``/``rsqrt`` implementations.
 Triton runs on CUDA tensors (when triton is installed; on meta tensors it compiles for a GPU inside
-:func:`pagedllm.attention.triton_aot.compile_for`); float32 CPU tensors use the native kernels of
-:mod:`pagedllm.layers_cpu` when they build, other tensors torch, unless ``use_triton=True`` asks for
+:func:`pagedllm.kernels.triton.aot.compile_for`); float32 CPU tensors use the native kernels of
+:mod:`pagedllm.kernels.cpu.ops` when they build, other tensors torch, unless ``use_triton=True`` asks for
 the Triton interpreter (for tests).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm import layers_cpu
+from pagedllm.kernels.cpu import ops as layers_cpu
 
 try:
     import triton
@@ -114,7 +114,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _norm_launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from pagedllm.attention.triton_kernels import launch
+    from pagedllm.kernels.triton.launch import launch
 
     hidden = x.shape[-1]
     x2 = _rows(x)
@@ -183,7 +183,7 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
         if x.numel() and layers_cpu.usable(x):
             return layers_cpu.silu_and_mul(x)
         return silu_and_mul_torch(x)
-    from pagedllm.attention.triton_kernels import launch
+    from pagedllm.kernels.triton.launch import launch
 
     d = x.shape[-1] // 2
     x2 = _rows(x)

@@ -2,7 +2,7 @@
 max / logsumexp, from the native kernels.
 
 Each replaces several torch ops (and their temporaries) by one pass over each row; they compute
-the formulas of :mod:`pagedllm.layers_triton`'s torch references, up to float rounding.
+the formulas of :mod:`pagedllm.kernels.triton.elementwise`'s torch references, up to float rounding.
 :func:`usable` says whether a tensor can take this path (CPU, float32, kernels built).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.native import kernels_available, load_library
+from pagedllm.kernels.cpu.library import kernels_available, load_library
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 A decode step multiplies a few dozen rows by every weight matrix, and the weights (half a gigabyte
 for the default model in float32) stream from memory once per step. :class:`PanelLinear` keeps each
-weight in the kernel library's panel layout (``pagedllm/csrc/linear_cpu.c``), whose product
+weight in the kernel library's panel layout (``pagedllm/kernels/csrc/linear_cpu.c``), whose product
 prefetches the next panel while it computes on the current one; on the default model's layers, read
 cold as a decode step reads them, it is 1.2-1.5x faster than MKL (plain or packed) at 8-64 rows.
 Prompt chunks of more rows go to MKL on the original weights, which is faster there. The Python
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.native import kernels_available, load_library
+from pagedllm.kernels.cpu.library import kernels_available, load_library
 
 # Above this many rows (prompt chunks) MKL on the original weights is faster: each weight is read
 # once for many rows, so streaming it costs little, and MKL's blocking for large products is better.

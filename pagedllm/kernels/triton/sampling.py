@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_kernels import launch
+from pagedllm.kernels.triton.launch import launch
 
 # The bit pattern of +inf plus one: an exclusive upper bound for every non-negative float32.
 _BITS_END = 0x7F800001

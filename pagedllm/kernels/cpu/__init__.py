@@ -1,0 +1,1 @@
+"""Native CPU kernels (``pagedllm/kernels/csrc``) and their torch wrappers."""

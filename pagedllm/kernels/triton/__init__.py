@@ -1,0 +1,1 @@
+"""Triton kernels; importing a module here needs the ``triton`` package, not a GPU."""
