@@ -56,7 +56,7 @@ def hf_default() -> tuple[Any, Any]:
     """HF transformers' own GGUF loading of the default model (fp32, CPU) and its tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from model_factory import default_tokenizer
+    from helpers.model_factory import default_tokenizer
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(

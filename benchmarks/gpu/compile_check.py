@@ -42,7 +42,7 @@ from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 from pagedllm.kernels.triton import aot as triton_aot  # noqa: E402
 from pagedllm.model.config import ModelConfig  # noqa: E402
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
-from pagedllm.sample import Sampler, SamplingBatch  # noqa: E402
+from pagedllm.sample import Sampler, SamplingInputs  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
 
@@ -146,7 +146,7 @@ def check_sampler(spec: triton_aot.GPUSpec, num_rows: int, vocab_size: int) -> d
         SamplingParams(temperature=0.0),
     ]
     rows = [params[i % len(params)] for i in range(num_rows)]
-    batch = SamplingBatch(
+    batch = SamplingInputs(
         params=rows,
         prompt_token_ids=[[1, 2, 3]] * num_rows,
         output_token_ids=[[4]] * num_rows,

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from pagedllm import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedllm.sample.sampler import Sampler, SamplingBatch  # noqa: E402
+from pagedllm.sample.sampler import Sampler, SamplingInputs  # noqa: E402
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
 
 PHASES = ("schedule", "prepare", "sample", "outputs")
@@ -94,7 +94,7 @@ def measure(engine: LLMEngine, steps: int, blocks: int = 4) -> dict[str, dict[st
 
 def sampler_host_ms(batch_size: int, params: SamplingParams, repeats: int = 200) -> float:
     """The sampler on a vocabulary of 64: its tensor work is negligible, its host work is not."""
-    batch = SamplingBatch(
+    batch = SamplingInputs(
         params=[params] * batch_size,
         prompt_token_ids=[[1] * 64] * batch_size,
         output_token_ids=[[2] * 64] * batch_size,

@@ -548,7 +548,7 @@ def run_threshold_case(device: torch.device, seed: int, scale: str) -> dict[str,
 def sampler_syncs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> dict[str, Any]:
     """Synchronising CUDA calls made while sampling rows with top-k / top-p (and, on some rows,
     min-p, seeds and logprobs): none expected, so sampling can be queued ahead of the device."""
-    from pagedllm.sample import Sampler, SamplingBatch, make_generator
+    from pagedllm.sample import Sampler, SamplingInputs, make_generator
     from pagedllm.sampling_params import SamplingParams
 
     rows = logits.shape[0]
@@ -557,7 +557,7 @@ def sampler_syncs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) ->
         for i, (k, p) in enumerate(zip(top_k, top_p, strict=True))
     ]
     generators = [make_generator(i, logits.device) if i % 4 == 0 else None for i in range(rows)]
-    batch = SamplingBatch(params, [[1]] * rows, [[2]] * rows, generators)
+    batch = SamplingInputs(params, [[1]] * rows, [[2]] * rows, generators)
     sampler = Sampler()
     sampler.sample(logits, batch).output()  # warm-up: pinned buffers, kernel compilation
     messages: list[str] = []
@@ -1946,7 +1946,7 @@ class Run:
         startup = time.perf_counter() - t0
         engine = self.llm.llm_engine
         graphs = engine.runner.cuda_graphs
-        blocks = engine.kv.pool.num_blocks
+        blocks = engine.kv_cache_manager.pool.num_blocks
         out: dict[str, Any] = {
             "startup_s": startup,
             "cuda_graph_capture_s": graphs.capture_time_s if graphs is not None else None,

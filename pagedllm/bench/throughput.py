@@ -72,7 +72,7 @@ class KVWasteSampler:
         running = engine.scheduler.running
         self.steps += 1
         self.peak_running = max(self.peak_running, len(running))
-        self.peak_kv_usage = max(self.peak_kv_usage, engine.kv.usage())
+        self.peak_kv_usage = max(self.peak_kv_usage, engine.kv_cache_manager.usage())
         for req in running:
             held = len(req.block_ids) * self.block_size
             waste = held - req.num_computed_tokens
@@ -219,7 +219,7 @@ def run_engine(
     config = dataclasses.asdict(engine.config)
     config.update(
         resolved_max_model_len=engine.max_model_len,
-        resolved_num_kv_blocks=engine.kv.pool.num_blocks,
+        resolved_num_kv_blocks=engine.kv_cache_manager.pool.num_blocks,
         resolved_max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
         device=str(engine.device),
     )

@@ -13,9 +13,8 @@ from pagedllm.request import Request, RequestStatus
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
+    max_num_seqs: int  # most requests in ``running`` at once
+    max_num_batched_tokens: int  # token budget of one step (prefill chunks and decodes together)
 
 
 @dataclass
@@ -32,7 +31,7 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_requests: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     # Blocks entered in the prefix cache by this schedule, to be computed by its forward.
@@ -40,7 +39,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled_requests
 
 
 class Scheduler:
@@ -61,9 +60,9 @@ class Scheduler:
     not admitted until its pending token has reached the host.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
-        self.kv = kv
+        self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -93,7 +92,7 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -107,7 +106,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -127,7 +126,7 @@ class Scheduler:
             if num_new <= 0 or (request.num_pending_tokens and request.reaches_length_with_pending):
                 i += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
                 # The newest running request is never one already scheduled this step: those are
                 # older (earlier in ``running``) than the request being scheduled.
                 victim = self.running[-1]
@@ -150,15 +149,15 @@ class Scheduler:
                 if request.waits_for_leader or request.num_pending_tokens:
                     idx += 1
                     continue
-                computed, num_cached = self.kv.get_computed_blocks(request)
+                computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget)
-                if not self.kv.allocate_slots(request, num_new, computed):
+                if not self.kv_cache_manager.allocate_slots(request, num_new, computed):
                     break
                 del self.waiting[idx]
                 request.num_computed_tokens = num_cached
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
-                    self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+                    self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = time.monotonic()
                 request.status = RequestStatus.RUNNING
@@ -170,13 +169,13 @@ class Scheduler:
         return out
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        out.scheduled.append(ScheduledRequest(request, num_tokens))
+        out.scheduled_requests.append(ScheduledRequest(request, num_tokens))
         # Blocks this step fills are shared from now on (see KVCacheManager.cache_full_blocks); a
         # block ending in a pending token is registered by a later step, once its ids are known.
         known = min(request.num_computed_tokens + num_tokens, request.num_tokens)
-        out.newly_cached_blocks += self.kv.cache_full_blocks(request, known)
+        out.newly_cached_blocks += self.kv_cache_manager.cache_full_blocks(request, known)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts after the step's forward ran."""
-        for sr in out.scheduled:
-            sr.request.num_computed_tokens += sr.num_tokens
+        for scheduled in out.scheduled_requests:
+            scheduled.request.num_computed_tokens += scheduled.num_tokens

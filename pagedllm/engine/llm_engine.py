@@ -21,7 +21,7 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
-from pagedllm.sample.sampler import SampledBatch
+from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -51,17 +51,18 @@ _unfreeze_registered = False
 
 @dataclass
 class LaunchedStep:
-    """A step whose forward and sampling were launched: ``rows`` of ``scheduled.scheduled`` get the
-    tokens of ``sampled`` (still on the device until resolved)."""
+    """A step whose forward and sampling were launched: ``rows`` of
+    ``scheduler_output.scheduled_requests`` get the tokens of ``sampled`` (still on the device until
+    resolved)."""
 
-    scheduled: SchedulerOutput
+    scheduler_output: SchedulerOutput
     rows: list[int]
-    sampled: SampledBatch | None
+    sampled: DeviceSamples | None
 
     @property
     def can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host."""
-        return all(self.scheduled.scheduled[r].request.can_sample_ahead for r in self.rows)
+        return all(self.scheduler_output.scheduled_requests[r].request.can_sample_ahead for r in self.rows)
 
 
 class LLMEngine:
@@ -118,10 +119,8 @@ class LLMEngine:
             self.runner.capture_cuda_graphs(config.max_num_seqs)
         elif self.device.type == "cpu" and not config.enforce_eager:
             self.runner.enable_native_decode()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len), self.kv
-        )
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_batched), self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._structured_output_manager: StructuredOutputManager | None = None
         self.num_prompt_tokens = 0
@@ -260,10 +259,10 @@ class LLMEngine:
                 "the completion). Please reduce the length of the messages or completion."
             )
         bs = self.config.block_size
-        if -(-(n_prompt + max_tokens) // bs) > self.kv.pool.num_blocks:
+        if -(-(n_prompt + max_tokens) // bs) > self.kv_cache_manager.pool.num_blocks:
             raise ValueError(
                 f"prompt of {n_prompt} tokens plus max_tokens={max_tokens} needs more KV cache than the "
-                f"engine has ({self.kv.pool.num_blocks} blocks of {bs} tokens)."
+                f"engine has ({self.kv_cache_manager.pool.num_blocks} blocks of {bs} tokens)."
             )
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -345,7 +344,9 @@ class LLMEngine:
         """Resolve the step in flight once every request in it has finished (all its tokens would be
         dropped), so that an engine without requests holds no step."""
         step = self._in_flight
-        if step is not None and all(sr.request.is_finished for sr in step.scheduled.scheduled):
+        if step is not None and all(
+            scheduled.request.is_finished for scheduled in step.scheduler_output.scheduled_requests
+        ):
             self._in_flight = None
             self._resolve(step)
 
@@ -353,25 +354,27 @@ class LLMEngine:
         """Schedule a step and launch its forward and sampling (None when nothing is scheduled)."""
         times = self.step_times
         started = time.perf_counter()
-        so = self.scheduler.schedule()
-        if so.is_empty:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
             return None
         times.steps += 1
         times.schedule += time.perf_counter() - started
         try:
-            rows, sampled = self.runner.launch(so, times)
+            rows, sampled = self.runner.launch(scheduler_output, times)
         except BaseException:
-            self.kv.uncache(so.newly_cached_blocks)  # registered for content that was never written
+            self.kv_cache_manager.uncache(
+                scheduler_output.newly_cached_blocks
+            )  # registered for content that was never written
             raise
-        for sr in so.scheduled:
-            req = sr.request
+        for scheduled in scheduler_output.scheduled_requests:
+            req = scheduled.request
             start = req.num_computed_tokens
             if start < req.num_prompt_tokens:
-                self.num_prompt_tokens += min(start + sr.num_tokens, req.num_prompt_tokens) - start
-            if sr.needs_sample:  # the rows that get a token
+                self.num_prompt_tokens += min(start + scheduled.num_tokens, req.num_prompt_tokens) - start
+            if scheduled.needs_sample:  # the rows that get a token
                 req.num_pending_tokens += 1
-        self.scheduler.update_after_step(so)
-        return LaunchedStep(so, rows, sampled)
+        self.scheduler.update_after_step(scheduler_output)
+        return LaunchedStep(scheduler_output, rows, sampled)
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         """Bring a launched step's tokens to the host: stop checks, detokenization, outputs."""
@@ -382,7 +385,7 @@ class LLMEngine:
         self.step_times.sample += time.perf_counter() - started
         started = time.perf_counter()
         touched: dict[str, None] = {}
-        scheduled = step.scheduled.scheduled
+        scheduled = step.scheduler_output.scheduled_requests
         process_token = self.output_processor.process_token
         now = time.monotonic()
         generated = 0
@@ -425,12 +428,12 @@ class LLMEngine:
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv.usage(),
-            num_kv_blocks=self.kv.pool.num_blocks,
-            num_free_blocks=self.kv.num_free_blocks,
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_kv_blocks=self.kv_cache_manager.pool.num_blocks,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=self.kv.stats.queries,
-            prefix_cache_hits=self.kv.stats.hits,
+            prefix_cache_queries=self.kv_cache_manager.stats.queries,
+            prefix_cache_hits=self.kv_cache_manager.stats.hits,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
         )
@@ -440,10 +443,10 @@ class LLMEngine:
         assert not self.scheduler.has_unfinished_requests(), "requests still queued"
         assert self._in_flight is None, "a step is still in flight"
         assert not self.output_processor.parents, "request state left behind"
-        self.kv.check_idle()
+        self.kv_cache_manager.check_idle()
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return str(

@@ -1,22 +1,22 @@
 """Next-token sampling: logits processors, filters and the batched :class:`Sampler`."""
 
+from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.penalties import apply_penalties, token_counts
 from pagedllm.sample.sampler import (
-    SampledBatch,
+    DeviceSamples,
+    SampledTokens,
     Sampler,
-    SamplerOutput,
-    SamplingBatch,
-    apply_logits_processors,
     exponential_noise,
     filter_thresholds,
     make_generator,
 )
+from pagedllm.sample.sampling_inputs import SamplingInputs
 
 __all__ = [
-    "SampledBatch",
+    "DeviceSamples",
     "Sampler",
-    "SamplerOutput",
-    "SamplingBatch",
+    "SampledTokens",
+    "SamplingInputs",
     "apply_logits_processors",
     "apply_penalties",
     "exponential_noise",

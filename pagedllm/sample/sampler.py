@@ -4,12 +4,9 @@ The :class:`Sampler` takes the last-position logits of every sequence that needs
 returns one token per row, in the order vLLM v1 uses:
 
 1. log probabilities for reporting, from the raw model logits;
-2. repetition / frequency / presence penalties;
-3. ``logit_bias``;
-4. ``allowed_token_ids`` (every other token masked);
-5. ``bad_words`` (the last token of a banned sequence is masked when the output ends with its prefix);
-6. ``min_tokens`` (EOS and stop token ids masked until enough tokens were generated);
-7. greedy rows take the argmax of the processed logits; random rows go through temperature, top-k,
+2. the logits processors of :mod:`pagedllm.sample.logits_processors`: penalties, ``logit_bias``,
+   ``allowed_token_ids``, ``bad_words``, ``min_tokens``;
+3. greedy rows take the argmax of the processed logits; random rows go through temperature, top-k,
    top-p and min-p and are sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``
    (on GPUs), or by inverse transform sampling with one uniform number per row (on the CPU, where
    drawing a vocabulary's worth of noise per row costs more than the rest of sampling).
@@ -28,51 +25,16 @@ import torch
 
 from pagedllm.kernels.cpu import ops as layers_cpu
 from pagedllm.outputs import Logprob
-from pagedllm.sample.penalties import apply_penalties, device_tensor, flatten_token_ids
+from pagedllm.sample.logits_processors import apply_logits_processors, index_tensor, needs_logits_processing
+from pagedllm.sample.penalties import device_tensor
+from pagedllm.sample.sampling_inputs import SamplingInputs
 from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
 
 @dataclass
-class SamplingBatch:
-    """Per-row inputs of one sampling step; row ``i`` of the logits belongs to ``params[i]``.
-
-    ``generators[i]`` is the request's own seeded generator (see :func:`make_generator`), or None to
-    draw from the default generator. ``bad_words_token_ids[i]`` holds the token sequences row ``i``
-    must never complete. ``eos_token_ids`` are the model's end-of-sequence ids; together with each
-    request's ``stop_token_ids`` they are masked while the output is shorter than ``min_tokens``
-    (EOS is left alone for requests with ``ignore_eos``).
-    """
-
-    params: list[SamplingParams]
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
-    generators: list[torch.Generator | None]
-    bad_words_token_ids: list[list[list[int]]] | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.params)
-
-    def check(self, num_rows: int) -> None:
-        """Raise ValueError unless every per-row list has ``num_rows`` entries."""
-        lists: dict[str, Sequence[object] | None] = {
-            "params": self.params,
-            "prompt_token_ids": self.prompt_token_ids,
-            "output_token_ids": self.output_token_ids,
-            "generators": self.generators,
-            "bad_words_token_ids": self.bad_words_token_ids,
-        }
-        for name, values in lists.items():
-            if values is not None and len(values) != num_rows:
-                raise ValueError(
-                    f"SamplingBatch.{name} has {len(values)} entries for {num_rows} logits rows."
-                )
-
-
-@dataclass
-class SamplerOutput:
+class SampledTokens:
     """The sampled token of every row and, where requested, its log probabilities.
 
     ``logprobs[i]`` is None unless ``params[i].logprobs`` is set; otherwise it maps the sampled token
@@ -87,7 +49,7 @@ class SamplerOutput:
 
 
 @dataclass
-class SampledBatch:
+class DeviceSamples:
     """One step's sampling results, still where the logits were (see :meth:`Sampler.sample`).
 
     Only :meth:`output` waits for the device. On a GPU, :meth:`copy_to_host` first queues the copies
@@ -116,7 +78,7 @@ class SampledBatch:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def output(self) -> SamplerOutput:
+    def output(self) -> SampledTokens:
         """The results as Python values (waits for the device)."""
         if self._copied is not None:
             self._copied.synchronize()
@@ -136,7 +98,7 @@ class SampledBatch:
                         if tid != token:
                             entry[tid] = Logprob(logprob=lp, rank=rank)
                 logprobs[i] = entry
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, sampled_logprobs=sampled)
+        return SampledTokens(token_ids=token_ids, logprobs=logprobs, sampled_logprobs=sampled)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -177,22 +139,27 @@ def filter_thresholds(
     width = min(max(max(needed, default=1), candidates, 1), vocab_size)
     k_all = device_tensor(ks, torch.int64, device)
     p_all = device_tensor(top_p, probs.dtype, device)
+    # Cumulative sums in float64: a float32 running sum over thousands of tokens drifts by more than
+    # the smallest probabilities, which would move a nucleus boundary by a token.
+    p_all64 = device_tensor(top_p, torch.float64, device)
     thresholds = probs.new_zeros(num_rows)
     remaining: torch.Tensor | None = None  # rows still to settle; None: all of them
     while True:
         rows_probs = probs if remaining is None else probs.index_select(0, remaining)
         k = k_all if remaining is None else k_all.index_select(0, remaining)
-        p = p_all if remaining is None else p_all.index_select(0, remaining)
+        p = p_all64 if remaining is None else p_all64.index_select(0, remaining)
         if width == vocab_size:
             values = rows_probs.sort(dim=-1, descending=True).values
         else:
             values = rows_probs.topk(width, dim=-1).values
-        cumulative = values.cumsum(dim=-1)
+        cumulative = values.cumsum(dim=-1, dtype=torch.float64)
         exclusive = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
         k_in = k.clamp(max=width)
         # Mass top-p is relative to: the top-k set, or the whole row when top-k is off.
         mass = torch.where(
-            k < vocab_size, cumulative.gather(1, (k_in - 1)[:, None]).squeeze(1), rows_probs.sum(dim=-1)
+            k < vocab_size,
+            cumulative.gather(1, (k_in - 1)[:, None]).squeeze(1),
+            rows_probs.sum(dim=-1, dtype=torch.float64),
         )
         nucleus_size = (exclusive < (p * mass)[:, None]).sum(dim=-1)
         num_kept = torch.where(p < 1.0, torch.minimum(nucleus_size, k_in), k_in).clamp_(min=1)
@@ -239,7 +206,7 @@ def exponential_noise(
             noise.uniform_()
         else:
             unseeded = [i for i, g in enumerate(generators) if g is None]
-            index = _index(unseeded, device)
+            index = index_tensor(unseeded, device)
             shared = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
             noise.index_copy_(0, index, shared.uniform_())
     for i in seeded:
@@ -281,120 +248,6 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: Sequence[torch.Generator
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _has_min_tokens_ban(params: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> bool:
-    if num_output >= params.min_tokens:
-        return False
-    return bool(
-        params.stop_token_ids or params.all_stop_token_ids or (eos_token_ids and not params.ignore_eos)
-    )
-
-
-def _row_needs_processing(batch: SamplingBatch, i: int) -> bool:
-    p = batch.params[i]
-    return bool(
-        p.repetition_penalty != 1.0
-        or p.frequency_penalty != 0.0
-        or p.presence_penalty != 0.0
-        or p.logit_bias
-        or p.allowed_token_ids is not None
-        or (batch.bad_words_token_ids is not None and batch.bad_words_token_ids[i])
-        or _has_min_tokens_ban(p, len(batch.output_token_ids[i]), batch.eos_token_ids)
-    )
-
-
-def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    return device_tensor(rows, torch.int64, device)
-
-
-def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """Apply penalties, ``logit_bias``, ``allowed_token_ids``, bad words and ``min_tokens`` in place.
-
-    ``logits`` is the float ``[len(batch), vocab]`` tensor of the batch. Temperature and the top-k /
-    top-p / min-p filters are not part of this step.
-    """
-    params = batch.params
-    num_rows, vocab_size = logits.shape
-    device = logits.device
-
-    # Penalties, on the rows that use any.
-    rows = [
-        i
-        for i, p in enumerate(params)
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    ]
-    if rows:
-        all_rows = len(rows) == num_rows
-        index = _index(rows, device)
-        sub = logits if all_rows else logits.index_select(0, index)
-        apply_penalties(
-            sub,
-            [batch.prompt_token_ids[i] for i in rows],
-            [batch.output_token_ids[i] for i in rows],
-            [params[i].repetition_penalty for i in rows],
-            [params[i].frequency_penalty for i in rows],
-            [params[i].presence_penalty for i in rows],
-        )
-        if not all_rows:
-            logits.index_copy_(0, index, sub)
-
-    # logit_bias: one accumulating index_put over all (row, token, bias) triples.
-    bias_rows: list[int] = []
-    bias_tokens: list[int] = []
-    bias_values: list[float] = []
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            bias_rows.extend([i] * len(p.logit_bias))
-            bias_tokens.extend(p.logit_bias.keys())
-            bias_values.extend(p.logit_bias.values())
-    if bias_rows:
-        values = device_tensor(bias_values, logits.dtype, device)
-        logits.index_put_((_index(bias_rows, device), _index(bias_tokens, device)), values, accumulate=True)
-
-    # allowed_token_ids: mask everything else.
-    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
-    if rows:
-        allowed: list[list[int]] = [params[i].allowed_token_ids or [] for i in rows]
-        mask_rows, mask_cols = flatten_token_ids(allowed, device)
-        banned = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
-        banned[mask_rows, mask_cols] = False
-        if len(rows) == num_rows:
-            logits.masked_fill_(banned, _NEG_INF)
-        else:
-            index = _index(rows, device)
-            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, _NEG_INF))
-
-    # Bad words and min_tokens: collect (row, token) pairs to mask.
-    ban_rows: list[int] = []
-    ban_tokens: list[int] = []
-    if batch.bad_words_token_ids is not None:
-        for i, words in enumerate(batch.bad_words_token_ids):
-            if not words:
-                continue
-            output = batch.output_token_ids[i]
-            for word in words:
-                if not word or not 0 <= word[-1] < vocab_size:
-                    continue
-                prefix_len = len(word) - 1
-                if prefix_len == 0 or (
-                    len(output) >= prefix_len and output[len(output) - prefix_len :] == word[:prefix_len]
-                ):
-                    ban_rows.append(i)
-                    ban_tokens.append(word[-1])
-    for i, p in enumerate(params):
-        if _has_min_tokens_ban(p, len(batch.output_token_ids[i]), batch.eos_token_ids):
-            stop_ids = set(p.stop_token_ids or ()) | p.all_stop_token_ids
-            if not p.ignore_eos:
-                stop_ids.update(batch.eos_token_ids)
-            stop_ids = {t for t in stop_ids if 0 <= t < vocab_size}
-            ban_rows.extend([i] * len(stop_ids))
-            ban_tokens.extend(stop_ids)
-    if ban_rows:
-        logits.index_put_(
-            (_index(ban_rows, device), _index(ban_tokens, device)),
-            logits.new_full((), _NEG_INF),
-        )
-
-
 class Sampler:
     """Samples one token per row from last-position logits (see the module docstring for the order).
 
@@ -406,13 +259,13 @@ class Sampler:
     def __init__(self, top_p_candidates: int = 128) -> None:
         self.top_p_candidates = top_p_candidates
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingInputs) -> SampledTokens:
         """Sample from ``logits`` (``[len(batch), vocab]``, any float dtype); the tensor is not modified."""
         return self.sample(logits, batch).output()
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledBatch:
+    def sample(self, logits: torch.Tensor, batch: SamplingInputs) -> DeviceSamples:
         """Sample without waiting for the device: the tokens and log probabilities stay on the
-        device (see :class:`SampledBatch`), so the host may go on while the device computes them."""
+        device (see :class:`DeviceSamples`), so the host may go on while the device computes them."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}.")
         num_rows = logits.shape[0]
@@ -421,7 +274,7 @@ class Sampler:
         device = logits.device
         if num_rows == 0:
             empty = torch.empty(0, dtype=torch.int64, device=device)
-            return SampledBatch(empty, empty.float(), params)
+            return DeviceSamples(empty, empty.float(), params)
         raw = logits.float()  # the caller's tensor when already float32: never written to
 
         raw_max: torch.Tensor | None = None
@@ -429,7 +282,7 @@ class Sampler:
             raw_max, raw_argmax, raw_logsumexp = layers_cpu.max_logsumexp(raw)
         else:
             raw_logsumexp = torch.logsumexp(raw, dim=-1)
-        if any(_row_needs_processing(batch, i) for i in range(num_rows)):
+        if any(needs_logits_processing(batch, i) for i in range(num_rows)):
             processed = raw.clone()
             apply_logits_processors(processed, batch)
             owned = True
@@ -451,8 +304,8 @@ class Sampler:
             token_ids = self._sample_random(processed, params, batch.generators, owned)
         else:
             random_rows = [i for i, p in enumerate(params) if not p.greedy]
-            greedy_index = _index(greedy_rows, device)
-            random_index = _index(random_rows, device)
+            greedy_index = index_tensor(greedy_rows, device)
+            random_index = index_tensor(random_rows, device)
             token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
             token_ids.index_copy_(
                 0, greedy_index, processed.index_select(0, greedy_index).max(dim=-1).indices
@@ -467,7 +320,7 @@ class Sampler:
 
         if sampled_raw is None:
             sampled_raw = raw.gather(1, token_ids[:, None]).squeeze(1)
-        result = SampledBatch(token_ids, sampled_raw - raw_logsumexp, params)
+        result = DeviceSamples(token_ids, sampled_raw - raw_logsumexp, params)
         _top_logprobs(result, raw, raw_logsumexp, sampled_raw)
         return result
 
@@ -499,7 +352,7 @@ class Sampler:
             if len(filter_rows) == num_rows:
                 thresholds = filter_thresholds(probs, top_k, top_p, self.top_p_candidates)
             else:
-                index = _index(filter_rows, device)
+                index = index_tensor(filter_rows, device)
                 rows_thresholds = filter_thresholds(
                     probs.index_select(0, index), top_k, top_p, self.top_p_candidates
                 )
@@ -522,7 +375,7 @@ class Sampler:
 
 
 def _top_logprobs(
-    result: SampledBatch, raw: torch.Tensor, raw_logsumexp: torch.Tensor, sampled_raw: torch.Tensor
+    result: DeviceSamples, raw: torch.Tensor, raw_logsumexp: torch.Tensor, sampled_raw: torch.Tensor
 ) -> None:
     """Rank of the sampled token and the top ``params[i].logprobs`` tokens of each requesting row,
     computed on the device into ``result``."""
@@ -531,7 +384,7 @@ def _top_logprobs(
     if not rows:
         return
     vocab_size = raw.shape[-1]
-    index = None if len(rows) == len(params) else _index(rows, raw.device)
+    index = None if len(rows) == len(params) else index_tensor(rows, raw.device)
     sub = raw if index is None else raw.index_select(0, index)
     sub_sampled = sampled_raw if index is None else sampled_raw.index_select(0, index)
     result.logprob_rows = rows

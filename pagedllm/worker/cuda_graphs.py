@@ -295,24 +295,24 @@ class CUDAGraphRunner:
         )
         return self.capture_time_s
 
-    def can_run(self, so: SchedulerOutput) -> bool:
+    def can_run(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether a captured graph computes this step: every request has exactly one new token."""
-        n = len(so.scheduled)
+        n = len(scheduler_output.scheduled_requests)
         return (
             bool(self._contexts)
             and 0 < n <= self.max_batch_size
-            and all(sr.num_tokens == 1 for sr in so.scheduled)
+            and all(scheduled.num_tokens == 1 for scheduled in scheduler_output.scheduled_requests)
         )
 
-    def load_inputs(self, so: SchedulerOutput) -> int:
+    def load_inputs(self, scheduler_output: SchedulerOutput) -> int:
         """Stage a decode step's inputs and copy them into the static buffers; returns its bucket."""
-        n = len(so.scheduled)
+        n = len(scheduler_output.scheduled_requests)
         b = select_batch_size(self.batch_sizes, n)
         if b is None:
             raise ValueError(
                 f"a decode batch of {n} requests exceeds the largest graph ({self.max_batch_size})."
             )
-        reqs = [sr.request for sr in so.scheduled]
+        reqs = [scheduled.request for scheduled in scheduler_output.scheduled_requests]
         positions = [r.num_computed_tokens for r in reqs]
         # A pending token (p == num_tokens) is written on the device by the model runner afterwards.
         token_ids = [

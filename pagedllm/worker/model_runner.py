@@ -18,7 +18,7 @@ from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.outputs import Logprob
-from pagedllm.sample.sampler import SampledBatch, Sampler, SamplingBatch
+from pagedllm.sample.sampler import DeviceSamples, Sampler, SamplingInputs
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
@@ -211,7 +211,7 @@ class ModelRunner:
             logger.info("Decode-only steps use the Python forward: %s.", reason)
 
     # -- input preparation ------------------------------------------------------------------
-    def prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -221,10 +221,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         logits_idx: list[int] = []
         max_blocks = 1
-        for row, sr in enumerate(so.scheduled):
-            req = sr.request
+        for row, scheduled in enumerate(scheduler_output.scheduled_requests):
+            req = scheduled.request
             start = req.num_computed_tokens
-            n = sr.num_tokens
+            n = scheduled.num_tokens
             end = start + n
             ids.extend(req.all_token_ids[start:end])
             if end > req.num_tokens:  # the last token is pending: filled in on the device
@@ -240,12 +240,12 @@ class ModelRunner:
             qlens.append(n)
             slens.append(end)
             max_blocks = max(max_blocks, len(table))
-            if sr.needs_sample:
+            if scheduled.needs_sample:
                 sample_rows.append(row)
                 logits_idx.append(len(ids) - 1)
-        tables = np.zeros((len(so.scheduled), max_blocks), dtype=np.int32)
-        for row, sr in enumerate(so.scheduled):
-            t = sr.request.block_ids
+        tables = np.zeros((len(scheduler_output.scheduled_requests), max_blocks), dtype=np.int32)
+        for row, scheduled in enumerate(scheduler_output.scheduled_requests):
+            t = scheduled.request.block_ids
             tables[row, : len(t)] = t
         qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1:])
@@ -261,7 +261,7 @@ class ModelRunner:
             seq_lens_cpu=slens,
         )
         input_ids = to_device(torch.tensor(ids, dtype=torch.int64), dev)
-        self._fill_pending_tokens(so, input_ids, qsl[1:] - 1)
+        self._fill_pending_tokens(scheduler_output, input_ids, qsl[1:] - 1)
         return BatchInputs(
             input_ids=input_ids,
             positions=to_device(torch.from_numpy(np.concatenate(pos_chunks)), dev),
@@ -272,21 +272,21 @@ class ModelRunner:
         )
 
     def _fill_pending_tokens(
-        self, so: SchedulerOutput, input_ids: torch.Tensor, last_rows: np.ndarray
+        self, scheduler_output: SchedulerOutput, input_ids: torch.Tensor, last_rows: np.ndarray
     ) -> None:
         """Write the ids of pending tokens, sampled by the previous step and still on the device, into
         ``input_ids`` (``last_rows[i]``: the flat-batch row of scheduled request ``i``'s last token)."""
         pending = [
             i
-            for i, sr in enumerate(so.scheduled)
-            if sr.request.num_pending_tokens
-            and sr.request.num_computed_tokens + sr.num_tokens > sr.request.num_tokens
+            for i, scheduled in enumerate(scheduler_output.scheduled_requests)
+            if scheduled.request.num_pending_tokens
+            and scheduled.request.num_computed_tokens + scheduled.num_tokens > scheduled.request.num_tokens
         ]
         if not pending:
             return
         previous = self.previous_tokens
         assert previous is not None, "pending tokens without a previous step"
-        src = [previous.rows[so.scheduled[i].request.request_id] for i in pending]
+        src = [previous.rows[scheduler_output.scheduled_requests[i].request.request_id] for i in pending]
         n = len(pending)
         if pending[-1] == n - 1 and last_rows[n - 1] == n - 1 and src == list(range(n)):
             # Steady decode: request i of this step was row i of the last one and is flat row i now.
@@ -298,7 +298,7 @@ class ModelRunner:
 
     # -- execution --------------------------------------------------------------------------
     def _forward(
-        self, so: SchedulerOutput, times: StepPhaseTimes
+        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
     ) -> tuple[BatchInputs, torch.Tensor, torch.Tensor | None]:
         """The model over one step: ``(inputs, hidden states of every row, logits of the sampled rows)``.
 
@@ -308,8 +308,8 @@ class ModelRunner:
         assert self.kv_cache is not None, "KV cache not allocated"
         graphs = self.cuda_graphs
         started = time.perf_counter()
-        if graphs is None or not graphs.can_run(so):
-            inputs = self.prepare_inputs(so)
+        if graphs is None or not graphs.can_run(scheduler_output):
+            inputs = self.prepare_inputs(scheduler_output)
             prepared = time.perf_counter()
             times.prepare += prepared - started
             if self.native_decode is not None and inputs.meta.is_decode_only:
@@ -319,14 +319,16 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             times.forward += time.perf_counter() - prepared
             return inputs, hidden, None
-        n = len(so.scheduled)
-        bucket = graphs.load_inputs(so)
-        self._fill_pending_tokens(so, graphs.input_ids, np.arange(n))
+        n = len(scheduler_output.scheduled_requests)
+        bucket = graphs.load_inputs(scheduler_output)
+        self._fill_pending_tokens(scheduler_output, graphs.input_ids, np.arange(n))
         prepared = time.perf_counter()
         times.prepare += prepared - started
         hidden, logits = graphs.replay(bucket)
         times.forward += time.perf_counter() - prepared
-        sample_rows = [i for i, sr in enumerate(so.scheduled) if sr.needs_sample]
+        sample_rows = [
+            i for i, scheduled in enumerate(scheduler_output.scheduled_requests) if scheduled.needs_sample
+        ]
         if len(sample_rows) == n:
             logits_indices = graphs.query_start_loc[:n]  # 0 .. n-1: one row per request
             logits = logits[:n]
@@ -343,17 +345,19 @@ class ModelRunner:
         )
         return inputs, hidden[:n], logits
 
-    def _prompt_logprobs(self, so: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor
+    ) -> None:
         """Append prompt logprobs for the prompt positions this step computed (once per position)."""
-        for row, sr in enumerate(so.scheduled):
-            req = sr.request
+        for row, scheduled in enumerate(scheduler_output.scheduled_requests):
+            req = scheduled.request
             k = req.params.prompt_logprobs
             if k is None or req.prompt_logprobs is None:
                 continue
             start = req.num_computed_tokens
             # Position p predicts prompt token p + 1; positions already reported are skipped.
             first = max(start, len(req.prompt_logprobs) - 1)
-            last = min(start + sr.num_tokens, req.num_prompt_tokens - 1)
+            last = min(start + scheduled.num_tokens, req.num_prompt_tokens - 1)
             if first >= last:
                 continue
             base = inputs.row_starts[row] - start
@@ -372,8 +376,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, so: SchedulerOutput, times: StepPhaseTimes | None = None
-    ) -> tuple[list[int], SampledBatch | None]:
+        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None
+    ) -> tuple[list[int], DeviceSamples | None]:
         """Run one step up to sampling without waiting for the device: returns (rows of
         ``so.scheduled`` that get a token, their tokens still on the device; None when no row samples).
 
@@ -382,8 +386,8 @@ class ModelRunner:
         """
         assert self.kv_cache is not None, "KV cache not allocated"
         times = times if times is not None else StepPhaseTimes()
-        inputs, hidden, logits = self._forward(so, times)
-        self._prompt_logprobs(so, inputs, hidden)
+        inputs, hidden, logits = self._forward(scheduler_output, times)
+        self._prompt_logprobs(scheduler_output, inputs, hidden)
         if not inputs.sample_rows:
             self.previous_tokens = None
             return [], None
@@ -392,12 +396,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampling = time.perf_counter()
         times.forward += sampling - started
-        reqs = [so.scheduled[r].request for r in inputs.sample_rows]
+        reqs = [scheduler_output.scheduled_requests[r].request for r in inputs.sample_rows]
         if any(r.grammar is not None for r in reqs):
             from pagedllm.structured.grammar import apply_grammar_bitmask  # xgrammar loads on first use
 
             apply_grammar_bitmask(logits, [r.grammar for r in reqs])
-        batch = SamplingBatch(
+        batch = SamplingInputs(
             params=[r.params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from helpers.prompts import PROMPTS
 from pagedllm import SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from prompts import PROMPTS
 
 # Mixed stop conditions: every way a sequence can end, some found only at resolution.
 PARAMS = [
@@ -76,10 +76,12 @@ class LaunchSpy:
         runner = engine.runner
         launch = runner.launch
 
-        def spy(so: Any, times: Any = None) -> Any:
+        def spy(scheduler_output: Any, times: Any = None) -> Any:
             self.launches += 1
-            self.ahead += any(sr.request.num_pending_tokens for sr in so.scheduled)
-            return launch(so, times)
+            self.ahead += any(
+                scheduled.request.num_pending_tokens for scheduled in scheduler_output.scheduled_requests
+            )
+            return launch(scheduler_output, times)
 
         runner.launch = spy  # type: ignore[method-assign]
 

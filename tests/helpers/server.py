@@ -16,7 +16,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # A small engine: short context and KV cache keep start-up and memory low on CPU.
 SMALL_ENGINE_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.reference import assert_greedy_close, hf_greedy
 from pagedllm import SamplingParams
-from reference import assert_greedy_close, hf_greedy
 
 PROMPTS = [
     "The capital of France is",

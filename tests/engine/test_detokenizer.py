@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from model_factory import default_tokenizer
+from helpers.model_factory import default_tokenizer
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.reference import assert_greedy_close
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.config import ModelConfig
 from pagedllm.request import Request
@@ -27,9 +28,8 @@ from pagedllm.worker.cuda_graphs import (
     graph_memory_estimate,
     select_batch_size,
 )
-from reference import assert_greedy_close
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_static_decode_path_matches_eager_on_cpu(tmp_path: Path) -> None:
     """Bucketed, padded decode steps over the static buffers give the eager engine's tokens."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
-    from model_factory import make_tiny_hf_model
+    from helpers.model_factory import make_tiny_hf_model
 
     path = make_tiny_hf_model(tmp_path, "qwen3", tie_word_embeddings=True, initializer_range=0.2)
     llm = LLM(
@@ -222,9 +222,11 @@ def test_static_decode_path_matches_eager_on_cpu(tmp_path: Path) -> None:
         load_inputs = graphs.load_inputs
         pending_loads: list[int] = []
 
-        def counting_load(so: Any) -> int:
-            pending_loads.append(sum(sr.request.num_pending_tokens for sr in so.scheduled))
-            return load_inputs(so)
+        def counting_load(scheduler_output: Any) -> int:
+            pending_loads.append(
+                sum(scheduled.request.num_pending_tokens for scheduled in scheduler_output.scheduled_requests)
+            )
+            return load_inputs(scheduler_output)
 
         graphs.load_inputs = counting_load  # type: ignore[method-assign]
         ahead = _outputs(llm, prompts, params)
@@ -251,7 +253,7 @@ def test_static_decode_path_matches_eager_on_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_match_eager_on_gpu(tmp_path: Path) -> None:
-    from model_factory import make_tiny_hf_model
+    from helpers.model_factory import make_tiny_hf_model
 
     path = make_tiny_hf_model(tmp_path, "qwen3", tie_word_embeddings=True, initializer_range=0.2)
     common: dict[str, Any] = {

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {
     "_write_kv_kernel",
     "_paged_attention_kernel",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_script(name: str, args: list[str], tmp_path: Path) -> dict[str, Any]:

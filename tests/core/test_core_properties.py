@@ -26,8 +26,8 @@ def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
     )
 
 
-def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
-    pool = kv.pool
+def check_invariants(sched: Scheduler, kv_cache_manager: KVCacheManager) -> None:
+    pool = kv_cache_manager.pool
     held = Counter(b for r in sched.running for b in r.block_ids)
     for r in sched.waiting:
         assert r.block_ids == [], "waiting requests hold no blocks"
@@ -38,7 +38,7 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
     for h, block in pool.cached.items():
         assert block.block_hash == h
     for r in sched.running:
-        assert len(r.block_ids) * kv.block_size >= r.num_computed_tokens
+        assert len(r.block_ids) * kv_cache_manager.block_size >= r.num_computed_tokens
 
 
 def drive(
@@ -51,8 +51,8 @@ def drive(
     seed: int,
 ) -> None:
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, block_size, caching)
-    sched = Scheduler(SchedulerConfig(max_seqs, budget, 10_000), kv)
+    kv_cache_manager = KVCacheManager(num_blocks, block_size, caching)
+    sched = Scheduler(SchedulerConfig(max_seqs, budget), kv_cache_manager)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     next_id = 0
     alive: list[str] = []
@@ -60,21 +60,21 @@ def drive(
     def step() -> None:
         out = sched.schedule()
         assert out.num_batched_tokens <= budget
-        assert sum(s.num_tokens for s in out.scheduled) == out.num_batched_tokens
+        assert sum(s.num_tokens for s in out.scheduled_requests) == out.num_batched_tokens
         assert len(sched.running) <= max_seqs
-        for s in out.scheduled:
+        for s in out.scheduled_requests:
             assert s.num_tokens >= 1
             assert s.request.status == RequestStatus.RUNNING
             need = s.request.num_computed_tokens + s.num_tokens
             assert len(s.request.block_ids) * block_size >= need, "KV room for the scheduled tokens"
-        sampled = [s.request for s in out.scheduled if s.needs_sample]
+        sampled = [s.request for s in out.scheduled_requests if s.needs_sample]
         sched.update_after_step(out)
         for req in sampled:
             tok = rng.randrange(0, 50)
             req.append_output_token(tok)
             if tok == EOS or req.num_output_tokens >= req.max_tokens:
                 sched.finish_request(req, RequestStatus.FINISHED_STOPPED)
-        check_invariants(sched, kv)
+        check_invariants(sched, kv_cache_manager)
 
     for op, arg in ops:
         if op == "add":
@@ -88,7 +88,7 @@ def drive(
             alive.append(rid)
         elif op == "abort" and alive:
             sched.abort_requests([alive.pop(arg % len(alive))])
-            check_invariants(sched, kv)
+            check_invariants(sched, kv_cache_manager)
         else:
             step()
     for _ in range(2000):
@@ -96,7 +96,7 @@ def drive(
             break
         step()
     assert not sched.has_unfinished_requests(), "every request finishes"
-    kv.check_idle()
+    kv_cache_manager.check_idle()
 
 
 op_strategy = st.lists(
@@ -120,77 +120,79 @@ def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, max
 
 
 def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token():
-    kv = KVCacheManager(16, 4, True)
+    kv_cache_manager = KVCacheManager(16, 4, True)
     a = make_request("a", list(range(1, 13)), 4)  # 12 tokens = 3 full blocks
-    hits, n = kv.get_computed_blocks(a)
+    hits, n = kv_cache_manager.get_computed_blocks(a)
     assert (hits, n) == ([], 0)
-    assert kv.allocate_slots(a, 12)
+    assert kv_cache_manager.allocate_slots(a, 12)
     a.num_computed_tokens = 12
-    kv.cache_full_blocks(a)
-    kv.free(a)
+    kv_cache_manager.cache_full_blocks(a)
+    kv_cache_manager.free(a)
     b = make_request("b", list(range(1, 13)), 4)  # identical prompt: at most 2 blocks reused
-    hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and [h.block_id for h in hits] == a_blocks_prefix(kv, b, 2)
+    hits, n = kv_cache_manager.get_computed_blocks(b)
+    assert n == 8 and [h.block_id for h in hits] == a_blocks_prefix(kv_cache_manager, b, 2)
     c = make_request("c", list(range(1, 9)) + [99, 98, 97, 96, 95], 4)
-    hits_c, n_c = kv.get_computed_blocks(c)
+    hits_c, n_c = kv_cache_manager.get_computed_blocks(c)
     assert n_c == 8
     d = make_request("d", [7] + list(range(2, 13)), 4)  # first block differs: no hit at all
-    assert kv.get_computed_blocks(d)[1] == 0
+    assert kv_cache_manager.get_computed_blocks(d)[1] == 0
 
 
 def test_requests_admitted_in_one_step_share_the_prefix_being_computed():
-    kv = KVCacheManager(16, 4, True)
-    sched = Scheduler(SchedulerConfig(4, 64, 1000), kv)
+    kv_cache_manager = KVCacheManager(16, 4, True)
+    sched = Scheduler(SchedulerConfig(4, 64), kv_cache_manager)
     a = make_request("a", list(range(1, 14)), 2)  # 13 tokens: 3 full blocks
     b = make_request("b", list(range(1, 13)) + [77], 2)  # same first 3 blocks
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    assert [s.request.request_id for s in out.scheduled_requests] == ["a", "b"]
     assert b.num_computed_tokens == 12 and b.num_cached_tokens == 12
     assert b.block_ids[:3] == a.block_ids[:3]
-    assert [s.num_tokens for s in out.scheduled] == [13, 1]
+    assert [s.num_tokens for s in out.scheduled_requests] == [13, 1]
     assert out.newly_cached_blocks == a.block_ids[:3]
     # Had the forward failed, the engine drops those entries: nothing matches them any more.
-    kv.uncache(out.newly_cached_blocks)
+    kv_cache_manager.uncache(out.newly_cached_blocks)
     c = make_request("c", list(range(1, 14)), 2)
-    assert kv.get_computed_blocks(c) == ([], 0)
+    assert kv_cache_manager.get_computed_blocks(c) == ([], 0)
     for r in (a, b):
         sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
-    kv.check_idle()
+    kv_cache_manager.check_idle()
 
 
-def a_blocks_prefix(kv: KVCacheManager, req: Request, n: int) -> list[int]:
-    hits, _ = kv.get_computed_blocks(req)
+def a_blocks_prefix(kv_cache_manager: KVCacheManager, req: Request, n: int) -> list[int]:
+    hits, _ = kv_cache_manager.get_computed_blocks(req)
     return [h.block_id for h in hits[:n]]
 
 
 def test_lru_eviction_prefers_oldest_freed_blocks():
-    kv = KVCacheManager(4, 2, True)
+    kv_cache_manager = KVCacheManager(4, 2, True)
     a = make_request("a", [1, 2, 3, 4, 5], 1)
-    assert kv.allocate_slots(a, 5)  # 3 blocks
+    assert kv_cache_manager.allocate_slots(a, 5)  # 3 blocks
     a.num_computed_tokens = 5
-    kv.cache_full_blocks(a)  # blocks for [1,2] and [3,4] cached
-    kv.free(a)
-    assert kv.num_free_blocks == 4
+    kv_cache_manager.cache_full_blocks(a)  # blocks for [1,2] and [3,4] cached
+    kv_cache_manager.free(a)
+    assert kv_cache_manager.num_free_blocks == 4
     # A new unrelated request taking 2 blocks must first use never-cached blocks and the tail block.
     b = make_request("b", [9, 9, 9], 1)
-    assert kv.allocate_slots(b, 3)
+    assert kv_cache_manager.allocate_slots(b, 3)
     again = make_request("c", [1, 2, 3, 4, 5], 1)
-    assert kv.get_computed_blocks(again)[1] == 4, "cached prefix survives while free blocks remain"
+    assert kv_cache_manager.get_computed_blocks(again)[1] == 4, (
+        "cached prefix survives while free blocks remain"
+    )
 
 
 def test_allocation_failure_changes_nothing():
-    kv = KVCacheManager(2, 4, True)
+    kv_cache_manager = KVCacheManager(2, 4, True)
     a = make_request("a", list(range(1, 20)), 1)
-    before = kv.num_free_blocks
-    assert not kv.allocate_slots(a, 19)
-    assert kv.num_free_blocks == before and a.block_ids == []
+    before = kv_cache_manager.num_free_blocks
+    assert not kv_cache_manager.allocate_slots(a, 19)
+    assert kv_cache_manager.num_free_blocks == before and a.block_ids == []
 
 
 def test_preemption_when_blocks_run_out_is_counted_and_recovers():
-    kv = KVCacheManager(6, 2, True)
-    sched = Scheduler(SchedulerConfig(4, 64, 1000), kv)
+    kv_cache_manager = KVCacheManager(6, 2, True)
+    sched = Scheduler(SchedulerConfig(4, 64), kv_cache_manager)
     reqs = [make_request(f"r{i}", [i + 1] * 3, 6) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
@@ -198,7 +200,7 @@ def test_preemption_when_blocks_run_out_is_counted_and_recovers():
     while sched.has_unfinished_requests() and steps < 200:
         out = sched.schedule()
         sched.update_after_step(out)
-        for s in out.scheduled:
+        for s in out.scheduled_requests:
             if s.needs_sample:
                 s.request.append_output_token(1)
                 if s.request.num_output_tokens >= s.request.max_tokens:
@@ -207,4 +209,4 @@ def test_preemption_when_blocks_run_out_is_counted_and_recovers():
     assert not sched.has_unfinished_requests()
     assert sched.num_preemptions > 0
     assert all(r.num_output_tokens == 6 for r in reqs)
-    kv.check_idle()
+    kv_cache_manager.check_idle()

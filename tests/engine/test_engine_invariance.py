@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.prompts import PROMPTS
+from helpers.reference import assert_greedy_close
 from pagedllm import SamplingParams
-from prompts import PROMPTS
-from reference import assert_greedy_close
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.reference import assert_greedy_close
 from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.outputs import RequestOutput
-from reference import assert_greedy_close
 
 PERSON_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -216,9 +216,11 @@ def test_unconstrained_rows_unaffected(default_llm: Any, mixed_outputs: dict[str
         (_so(grammar="root ::= item\n"), "structured_outputs.grammar.*item"),
     ],
 )
-def test_invalid_constraint_raises(default_llm: Any, so: StructuredOutputsParams, match: str) -> None:
+def test_invalid_constraint_raises(
+    default_llm: Any, scheduler_output: StructuredOutputsParams, match: str
+) -> None:
     good = SamplingParams(max_tokens=4)
-    bad = SamplingParams(max_tokens=4, structured_outputs=so)
+    bad = SamplingParams(max_tokens=4, structured_outputs=scheduler_output)
     with pytest.raises(ValueError, match=match):
         default_llm.generate(["Hello", "Hello"], [good, bad], use_tqdm=False)
     default_llm.llm_engine.check_idle()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from model_factory import default_tokenizer, make_tiny_hf_model
+from helpers.model_factory import default_tokenizer, make_tiny_hf_model
 from pagedllm.model import tokenizer as tokenizer_mod
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_loader import gguf_display_name, llama3_rope_freq_factors, load_gguf

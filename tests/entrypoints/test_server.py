@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
+from helpers.server import SMALL_ENGINE_ARGS, RemoteServer, parse_metrics
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from server_utils import SMALL_ENGINE_ARGS, RemoteServer, parse_metrics
 
 MODEL = "test-model"
 BODY_LIMIT = 200_000
@@ -57,7 +57,7 @@ def test_models_health_version(server: RemoteServer, client: openai.OpenAI) -> N
 
 
 def test_completion_usage_and_tokenizer_count(server: RemoteServer, client: openai.OpenAI) -> None:
-    from model_factory import default_tokenizer
+    from helpers.model_factory import default_tokenizer
 
     prompt = "The capital of France is"
     resp = client.completions.create(

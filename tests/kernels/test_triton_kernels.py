@@ -15,8 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attention_cases import MIXED, Batch, assert_close, reference_attention  # noqa: E402
-
+from helpers.attention_cases import MIXED, Batch, assert_close, reference_attention  # noqa: E402
 from pagedllm.attention.base import AttentionMetadata  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.kernels.triton.attention import AttentionLaunchConfig, paged_attention  # noqa: E402
@@ -217,7 +216,7 @@ _ISOLATED_CHECK = textwrap.dedent(
     import sys
     import torch
     sys.path.insert(0, {tests_dir!r})
-    from test_triton_kernels import MIXED, Batch, assert_close, reference_attention
+    from helpers.attention_cases import MIXED, Batch, assert_close, reference_attention
     from pagedllm.attention.triton_backend import TritonAttentionBackend
 
     device = torch.device({device!r})
@@ -238,7 +237,7 @@ _ISOLATED_CHECK = textwrap.dedent(
 
 
 def _run_isolated(device: str, dtypes: str, *, interpret: str, num_cases: int) -> None:
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = _ISOLATED_CHECK.format(tests_dir=tests_dir, device=device, dtypes=dtypes, num_cases=num_cases)
     env = {**os.environ, "TRITON_INTERPRET": interpret}
     result = subprocess.run(

@@ -11,8 +11,8 @@ from typing import Any
 import openai
 import pytest
 
+from helpers.server import SMALL_ENGINE_ARGS, RemoteServer
 from pagedllm.sampling_params import BeamSearchParams
-from server_utils import SMALL_ENGINE_ARGS, RemoteServer
 
 MODEL = "features-model"
 

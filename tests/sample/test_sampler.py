@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagedllm.sample import (
     Sampler,
-    SamplingBatch,
+    SamplingInputs,
     apply_logits_processors,
     exponential_noise,
     filter_thresholds,
@@ -37,9 +37,9 @@ def make_batch(
     generators: list[torch.Generator | None] | None = None,
     bad_words: list[list[list[int]]] | None = None,
     eos: list[int] | None = None,
-) -> SamplingBatch:
+) -> SamplingInputs:
     n = len(params)
-    return SamplingBatch(
+    return SamplingInputs(
         params=params,
         prompt_token_ids=prompts if prompts is not None else [[] for _ in range(n)],
         output_token_ids=outputs if outputs is not None else [[] for _ in range(n)],
@@ -308,7 +308,7 @@ def test_tiny_temperature_is_greedy() -> None:
 # -------------------------------------------------------------------------------------- penalties
 
 
-def processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def processed(logits: torch.Tensor, batch: SamplingInputs) -> torch.Tensor:
     out = logits.clone()
     apply_logits_processors(out, batch)
     return out

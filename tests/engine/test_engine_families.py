@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from model_factory import make_tiny_hf_model
+from helpers.model_factory import make_tiny_hf_model
+from helpers.reference import assert_greedy_close, hf_greedy
 from pagedllm import LLM, SamplingParams
-from reference import assert_greedy_close, hf_greedy
 
 PROMPTS = [
     "Hello there, how are you today?",

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from conftest import cached_checkpoint
 
+from helpers.server import RemoteServer
 from pagedllm.bench import baselines, roofline, throughput
 from pagedllm.bench.common import distribution
 from pagedllm.bench.serve import RequestResult, arrival_offsets, parse_slo, summarize
 from pagedllm.bench.workloads import parse_range, prefix_workload, random_workload
 from pagedllm.entrypoints.cli import main
-from server_utils import RemoteServer
 
 TINY_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
 TINY_WORKLOAD = ["--num-prompts", "3", "--input-len", "8:16", "--output-len", "2:4"]

@@ -10,18 +10,18 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import MIXED, Batch, assert_close, reference_attention
 from torch import nn
 
+from helpers.attention_cases import MIXED, Batch, assert_close, reference_attention
 from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
+from pagedllm.kernels.cpu import linear as cpu_linear
 from pagedllm.kernels.cpu import ops as layers_cpu
 from pagedllm.kernels.cpu.attention import paged_decode_attention, paged_prefill_attention
 from pagedllm.kernels.cpu.library import kernels_available, load_library
 from pagedllm.kernels.cpu.linear import PanelLinear, optimize_cpu_linears
 from pagedllm.kernels.triton.elementwise import rms_norm_torch, silu_and_mul_torch
-from pagedllm.kernels.cpu import linear as cpu_linear
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.worker import cpu_memory
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from model_factory import make_tiny_hf_model
+from helpers.model_factory import make_tiny_hf_model
 from pagedllm import SamplingParams
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.cpu.library import kernels_available
