@@ -824,7 +824,7 @@ def test_text_chunk_events_match_the_models_json() -> None:
         CompletionStreamResponse,
         DeltaMessage,
     )
-    from pagedllm.entrypoints.openai.serving_engine import TextChunkEvents, sse_event
+    from pagedllm.entrypoints.openai.streaming import TextChunkEvents, sse_event
 
     def chat(index: int, text: str) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(

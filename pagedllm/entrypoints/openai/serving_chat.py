@@ -23,13 +23,15 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIError,
     OpenAIServing,
-    SSEResponse,
-    TextChunkEvents,
     error_from_exception,
     logger,
+)
+from pagedllm.entrypoints.openai.streaming import (
+    SSE_DONE,
+    SSEResponse,
+    TextChunkEvents,
     run_until_disconnected,
     sse_error,
     sse_event,

@@ -20,12 +20,14 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIError,
     OpenAIServing,
+    error_from_exception,
+)
+from pagedllm.entrypoints.openai.streaming import (
+    SSE_DONE,
     SSEResponse,
     TextChunkEvents,
-    error_from_exception,
     merge_async_iterators,
     run_until_disconnected,
     sse_error,
