@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pagedllm.engine.llm_engine as llm_engine_module  # noqa: E402
+import pagedllm.worker.executor as executor_module  # noqa: E402
 from pagedllm.model.loader import LoadedCheckpoint, default_model_path, load_checkpoint  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -27,10 +27,10 @@ def cached_checkpoint(model: str | None) -> LoadedCheckpoint:
 
 @pytest.fixture(autouse=True, scope="session")
 def _share_checkpoints() -> Iterator[None]:
-    original = llm_engine_module.load_checkpoint
-    llm_engine_module.load_checkpoint = cached_checkpoint  # type: ignore[assignment]
+    original = executor_module.load_checkpoint
+    executor_module.load_checkpoint = cached_checkpoint  # type: ignore[assignment]
     yield
-    llm_engine_module.load_checkpoint = original  # type: ignore[assignment]
+    executor_module.load_checkpoint = original  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="session")

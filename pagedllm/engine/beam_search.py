@@ -141,7 +141,7 @@ def beam_search(
     beam width needs more log probabilities than the engine reports (``max_logprobs``).
     """
     run = BeamSearchRun(
-        [engine._tokenize(prompt) for prompt in prompts],
+        [engine.input_processor.tokenize(prompt) for prompt in prompts],
         params,
         eos_token_ids=engine.eos_token_ids,
         max_logprobs=engine.config.max_logprobs,

@@ -10,29 +10,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats
-from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import Request
 from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.cuda_graphs import graph_memory_estimate
-from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagedllm.worker.executor import Executor
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 
 if TYPE_CHECKING:
     from pagedllm.structured import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
-
-_CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 def _freeze_startup_objects() -> None:
@@ -66,7 +60,8 @@ class LaunchedStep:
 
 
 class LLMEngine:
-    """Owns the scheduler, the KV cache manager, the model runner and the output processor.
+    """The step loop: owns the scheduler, the KV cache manager, the input and output processors, and
+    an :class:`~pagedllm.worker.executor.Executor` that runs the model (device, weights, KV tensors).
 
     Not thread-safe: one thread drives ``add_request``/``step``/``abort_request``.
 
@@ -81,48 +76,36 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        t0 = time.perf_counter()
-        ckpt = load_checkpoint(config.model)
-        self.tokenizer = ckpt.tokenizer
-        self.model_config = ckpt.config
-        self.model_name = config.served_model_name or ckpt.name
-        self.vocab_size = ckpt.config.vocab_size
-        self.eos_token_ids = list(ckpt.config.eos_token_ids)
-        model_max = ckpt.config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} is larger than the model's limit of {model_max} tokens."
-            )
-        self.max_model_len = config.max_model_len or model_max
-        self.device = resolve_device(config.device)
+        self.executor = Executor(config)
+        executor = self.executor
+        self.tokenizer = executor.tokenizer
+        self.model_config = executor.model_config
+        self.model_name = executor.model_name
+        self.vocab_size = executor.model_config.vocab_size
+        self.eos_token_ids = list(executor.model_config.eos_token_ids)
+        self.max_model_len = executor.max_model_len
+        self.device = executor.device
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
         self._in_flight: LaunchedStep | None = None
-        dtype = resolve_dtype(config.dtype, self.device)
-        backend = choose_attention_backend(config.attention_backend, self.device, dtype)
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(
-            ckpt.config,
-            ckpt.weights,
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            device=self.device,
-            dtype=dtype,
-            attention_backend=backend,
+        num_blocks = executor.num_kv_blocks
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.eos_token_ids,
+            InputLimits(
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                max_logprobs=config.max_logprobs,
+                block_size=config.block_size,
+                num_kv_blocks=num_blocks,
+            ),
         )
-        del ckpt
-        max_batched = config.max_num_batched_tokens or max(4096, config.max_num_seqs)
-        num_blocks = self._num_kv_blocks(max_batched)
-        self.runner.allocate_kv_cache(num_blocks)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_cuda_graphs(config.max_num_seqs)
-        elif self.device.type == "cpu" and not config.enforce_eager:
-            self.runner.enable_native_decode()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, max_batched), self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, executor.max_num_batched_tokens), self.kv_cache_manager
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self._structured_output_manager: StructuredOutputManager | None = None
         self.num_prompt_tokens = 0
         self.step_times = StepPhaseTimes()
         self.num_generation_tokens = 0
@@ -136,13 +119,13 @@ class LLMEngine:
             "(%.0f MiB); maximum concurrency for %d-token requests: %.2fx; scheduling ahead %s",
             self.model_name,
             self.device,
-            str(dtype).removeprefix("torch."),
-            backend,
-            time.perf_counter() - t0,
+            str(executor.dtype).removeprefix("torch."),
+            executor.attention_backend,
+            executor.load_time_s,
             num_blocks,
             config.block_size,
             tokens,
-            num_blocks * self.runner.kv_bytes_per_block / 2**20,
+            executor.kv_cache_bytes / 2**20,
             self.max_model_len,
             tokens / self.max_model_len,
             "on" if self.async_scheduling else "off",
@@ -152,80 +135,12 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
 
-    def _num_kv_blocks(self, max_num_batched_tokens: int) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = self.runner.kv_bytes_per_block
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget(max_num_batched_tokens)
-        else:
-            # Enough for max_num_seqs full-length sequences, capped at 1 GiB.
-            blocks_needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-            budget = min(_CPU_DEFAULT_KV_BYTES, blocks_needed * per_block)
-        num = budget // per_block
-        if num < 1:
-            raise ValueError(f"not enough memory for a single KV block ({per_block} bytes).")
-        return int(num)
-
-    def _cuda_kv_budget(self, max_num_batched_tokens: int) -> int:
-        """KV cache bytes on a GPU, after profiling a forward at ``max_num_batched_tokens``.
-
-        ``gpu_memory_utilization`` of the device's memory, less the profiled peak of torch's allocator
-        (weights and activations), less what is held outside it (the CUDA context, other processes),
-        less a margin for the decode CUDA graphs.
-        """
-        cfg = self.config
-        peak = self.runner.profile_peak_memory(max_num_batched_tokens, cfg.max_num_seqs)
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
-        graphs = 0
-        if not cfg.enforce_eager and self.runner.backend.name == "triton":
-            graphs = graph_memory_estimate(self.model_config, cfg.max_num_seqs, self.runner.dtype)
-        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graphs
-        per_block = self.runner.kv_bytes_per_block
-        logger.info(
-            "GPU memory: %.2f GiB total x %.2f utilization; peak of a %d-token forward %.2f GiB (weights "
-            "%.2f GiB), outside torch %.2f GiB, CUDA graph margin %.2f GiB -> KV cache %.2f GiB = %d blocks",
-            total / 2**30,
-            cfg.gpu_memory_utilization,
-            max_num_batched_tokens,
-            peak / 2**30,
-            torch.cuda.memory_allocated(self.device) / 2**30,
-            non_torch / 2**30,
-            graphs / 2**30,
-            max(budget, 0) / 2**30,
-            max(budget, 0) // per_block,
-        )
-        return budget
+    @property
+    def runner(self) -> ModelRunner:
+        """The executor's model runner (for introspection: backend, CUDA graphs, KV tensors)."""
+        return self.executor.runner
 
     # -- requests ---------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty.")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty.")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"prompt contains token id {t!r} outside the vocabulary (size {self.vocab_size})."
-                )
-        return None, ids
-
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        out: list[list[int]] = []
-        for word in words:
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
-
     def add_request(
         self,
         request_id: str,
@@ -237,67 +152,15 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        text, ids = self._tokenize(prompt)
-        params.verify_vocab(self.vocab_size)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be at most {self.config.max_logprobs}, got {params.logprobs}.")
-        grammar = (
-            self.structured_output_manager.compile(params.structured_outputs)
-            if params.structured_outputs is not None
-            else None
-        )
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"prompt_logprobs must be at most {self.config.max_logprobs}, got {params.prompt_logprobs}."
-            )
-        n_prompt = len(ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        if n_prompt + max(max_tokens, 1) > self.max_model_len or max_tokens < 1:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion."
-            )
-        bs = self.config.block_size
-        if -(-(n_prompt + max_tokens) // bs) > self.kv_cache_manager.pool.num_blocks:
-            raise ValueError(
-                f"prompt of {n_prompt} tokens plus max_tokens={max_tokens} needs more KV cache than the "
-                f"engine has ({self.kv_cache_manager.pool.num_blocks} blocks of {bs} tokens)."
-            )
-        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        children: list[Request] = []
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            req = Request(
-                request_id=child_id,
-                prompt_token_ids=ids,
-                params=params,
-                max_tokens=max_tokens,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=arrival,
-                prompt=text,
-                parent_id=request_id,
-                index=i,
-                bad_words_token_ids=bad_words,
-                grammar=self.structured_output_manager.new_state(grammar) if grammar is not None else None,
-                prefill_leader=children[0] if children else None,
-            )
-            children.append(req)
-        self.output_processor.add_request(request_id, text, children)
-        for req in children:
+        processed = self.input_processor.process(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(request_id, processed.prompt, processed.sequences)
+        for req in processed.sequences:
             self.scheduler.add_request(req)
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:
-        """Grammar compilation for structured outputs, set up on first use (xgrammar loads slowly)."""
-        if self._structured_output_manager is None:
-            from pagedllm.structured import StructuredOutputManager
-
-            self._structured_output_manager = StructuredOutputManager(
-                self.tokenizer, self.vocab_size, self.eos_token_ids
-            )
-        return self._structured_output_manager
+        """Grammar compilation for structured outputs (see :class:`InputProcessor`)."""
+        return self.input_processor.structured_output_manager
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (by the id given to add_request); their blocks are freed at once."""
@@ -360,7 +223,7 @@ class LLMEngine:
         times.steps += 1
         times.schedule += time.perf_counter() - started
         try:
-            rows, sampled = self.runner.launch(scheduler_output, times)
+            rows, sampled = self.executor.launch(scheduler_output, times)
         except BaseException:
             self.kv_cache_manager.uncache(
                 scheduler_output.newly_cached_blocks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,8 +211,7 @@ class OutputProcessor:
             old_len = len(seq.text)
             seq.text += delta
             if min_ok and params.stop:
-                start = max(0, old_len - seq.max_stop_len + 1)
-                hit = _find_stop(seq.text, list(params.stop), start)
+                hit = _find_stop(seq.text, params.stop, old_len)
                 if hit is not None:
                     idx, stop = hit
                     end = idx + len(stop) if params.include_stop_str_in_output else idx
@@ -223,11 +223,15 @@ class OutputProcessor:
         return None
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """Earliest stop string occurring in ``text`` at or after ``start``."""
+def _find_stop(text: str, stops: Iterable[str], old_len: int) -> tuple[int, str] | None:
+    """The earliest stop string that ends in the new text ``text[old_len:]``, with its index.
+
+    Each stop string is looked for from its own length before the new text, so an occurrence that
+    ended in earlier text (before ``min_tokens`` allowed stopping) is never found later.
+    """
     best: tuple[int, str] | None = None
     for stop in stops:
-        idx = text.find(stop, start)
+        idx = text.find(stop, max(0, old_len - len(stop) + 1))
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best

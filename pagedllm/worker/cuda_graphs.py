@@ -22,8 +22,8 @@ What capture relies on:
 
 Inputs are staged in pinned host memory and copied with ``non_blocking=True``; an event recorded
 after the copies guards the staging buffers against being rewritten before the copies have run.
-Block tables are staged from :class:`~pagedllm.worker.block_tables.BlockTableRows`, which keeps
-each running request's table as a row updated with only the ids appended since the last step.
+The staged inputs come from the model runner's :class:`~pagedllm.worker.step_inputs.StepInputBuilder`,
+the same builder its eager steps use.
 
 On other devices nothing is captured: :meth:`CUDAGraphRunner.replay` runs the same forward eagerly
 over the static buffers, which exercises the bucketing, padding and static metadata without a GPU
@@ -36,9 +36,7 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
@@ -46,7 +44,7 @@ from pagedllm.attention.selector import get_attention_backend
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
-from pagedllm.worker.block_tables import BlockTableRows
+from pagedllm.worker.step_inputs import DecodeInputs, StepInputBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -72,69 +70,6 @@ def select_batch_size(batch_sizes: Sequence[int], num_seqs: int) -> int | None:
         raise ValueError(f"a decode batch has at least one sequence, got {num_seqs}.")
     i = bisect.bisect_left(batch_sizes, num_seqs)
     return batch_sizes[i] if i < len(batch_sizes) else None
-
-
-@dataclass
-class DecodeInputs:
-    """Host arrays holding one decode batch in the graph's layout.
-
-    ``block_tables`` is flat: a batch padded to ``rows`` rows with a table ``width`` entries wide
-    occupies its first ``rows * width`` elements as a contiguous ``[rows, width]`` array.
-    """
-
-    input_ids: np.ndarray  # [max_rows] int64
-    positions: np.ndarray  # [max_rows] int64
-    slot_mapping: np.ndarray  # [max_rows] int64
-    seq_lens: np.ndarray  # [max_rows] int32
-    block_tables: np.ndarray  # [max_rows * max_blocks_per_seq] int32
-
-    @classmethod
-    def zeros(cls, max_rows: int, max_blocks_per_seq: int) -> DecodeInputs:
-        return cls(
-            input_ids=np.zeros(max_rows, dtype=np.int64),
-            positions=np.zeros(max_rows, dtype=np.int64),
-            slot_mapping=np.full(max_rows, -1, dtype=np.int64),
-            seq_lens=np.ones(max_rows, dtype=np.int32),
-            block_tables=np.zeros(max_rows * max_blocks_per_seq, dtype=np.int32),
-        )
-
-
-def fill_decode_inputs(
-    token_ids: Sequence[int],
-    positions: Sequence[int],
-    block_tables: np.ndarray,
-    block_size: int,
-    padded_rows: int,
-    out: DecodeInputs,
-) -> int:
-    """Write a decode batch padded to ``padded_rows`` rows into ``out``; returns the block-table width.
-
-    Row ``i`` computes ``token_ids[i]`` at ``positions[i]`` (its context is ``positions[i] + 1``
-    tokens long) with logical-to-physical block table ``block_tables[i]`` (a 2-D int32 array; entries
-    past a row's context are copied up to the width but never read). Padding rows get token 0,
-    position 0, slot -1 (no KV write), a context of one position and block 0 as their first block.
-    """
-    n = len(token_ids)
-    if not 0 < n <= padded_rows or len(positions) != n or len(block_tables) != n:
-        raise ValueError(f"cannot pad a batch of {n} rows to {padded_rows}.")
-    bs = block_size
-    pos = out.positions[:n]
-    pos[:] = positions
-    used = pos // bs + 1
-    width = int(used.max())
-    if padded_rows * width > out.block_tables.shape[0] or block_tables.shape[1] < width:
-        raise ValueError(f"a block table {width} entries wide does not fit the staging buffer.")
-    out.input_ids[:n] = token_ids
-    np.add(pos, 1, out=out.seq_lens[:n], casting="unsafe")
-    tables = out.block_tables[: padded_rows * width].reshape(padded_rows, width)
-    tables[:n] = block_tables[:, :width]
-    out.slot_mapping[:n] = tables[np.arange(n), used - 1].astype(np.int64) * bs + pos % bs
-    out.input_ids[n:padded_rows] = 0
-    out.positions[n:padded_rows] = 0
-    out.slot_mapping[n:padded_rows] = -1
-    out.seq_lens[n:padded_rows] = 1
-    tables[n:, 0] = 0
-    return width
 
 
 def graph_memory_estimate(config: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
@@ -169,8 +104,10 @@ class CUDAGraphRunner:
         block_size: int,
         device: torch.device,
         backend: AttentionBackend | None = None,
+        input_builder: StepInputBuilder | None = None,
     ) -> None:
-        """``backend`` must support graph capture (default: the Triton backend)."""
+        """``backend`` must support graph capture (default: the Triton backend); ``input_builder`` is
+        the model runner's, shared with its eager steps (default: one of its own)."""
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend if backend is not None else get_attention_backend("triton")
@@ -211,7 +148,7 @@ class CUDAGraphRunner:
         self.staging.slot_mapping[:] = -1
         self.staging.seq_lens[:] = 1
         self._inputs_copied = torch.cuda.Event() if on_cuda else None
-        self.block_table_rows = BlockTableRows(rows, self.max_blocks_per_seq)
+        self.input_builder = input_builder or StepInputBuilder(block_size, rows, self.max_blocks_per_seq)
 
         self._metas: dict[int, AttentionMetadata] = {}
         self._contexts: dict[int, ForwardContext] = {}
@@ -312,19 +249,11 @@ class CUDAGraphRunner:
             raise ValueError(
                 f"a decode batch of {n} requests exceeds the largest graph ({self.max_batch_size})."
             )
-        reqs = [scheduled.request for scheduled in scheduler_output.scheduled_requests]
-        positions = [r.num_computed_tokens for r in reqs]
-        # A pending token (p == num_tokens) is written on the device by the model runner afterwards.
-        token_ids = [
-            r.all_token_ids[p] if p < r.num_tokens else 0 for r, p in zip(reqs, positions, strict=True)
-        ]
         # The previous step's copies must have read the staging buffers before they are rewritten.
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
-        rows = self.block_table_rows.update(reqs)
-        width = fill_decode_inputs(
-            token_ids, positions, self.block_table_rows.array[rows], self.block_size, b, self.staging
-        )
+        inputs = self.input_builder.build(scheduler_output, padded_rows=b, out=self.staging)
+        width = inputs.block_tables.shape[1]
         staged = self._staged
         self.input_ids[:b].copy_(staged["input_ids"][:b], non_blocking=True)
         self.positions[:b].copy_(staged["positions"][:b], non_blocking=True)

@@ -23,6 +23,7 @@ from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class BatchInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
-    sample_rows: list[int]  # indices into scheduler_output.scheduled of the sampled requests
+    sample_rows: list[int]  # indices into scheduler_output.scheduled_requests of the sampled requests
     row_starts: list[int]  # first flat-batch row of each scheduled request
 
 
@@ -80,6 +81,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: str,
+        max_num_seqs: int = 256,
     ) -> None:
         self.config = model_config
         self.device = device
@@ -106,6 +108,9 @@ class ModelRunner:
         self.cuda_graphs: CUDAGraphRunner | None = None
         self.native_decode: NativeDecodeLayers | None = None
         self.previous_tokens: PreviousTokens | None = None
+        # Rows for every request that can run at once (tables up to max_model_len), shared by the
+        # eager path and the CUDA graphs.
+        self.input_builder = StepInputBuilder(block_size, max_num_seqs, -(-max_model_len // block_size))
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -195,6 +200,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             backend=self.backend,
+            input_builder=self.input_builder,
         )
         graphs.capture()
         self.cuda_graphs = graphs
@@ -212,63 +218,29 @@ class ModelRunner:
 
     # -- input preparation ------------------------------------------------------------------
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
-        bs = self.block_size
-        ids: list[int] = []
-        pos_chunks: list[np.ndarray] = []
-        slot_chunks: list[np.ndarray] = []
-        qlens: list[int] = []
-        slens: list[int] = []
-        sample_rows: list[int] = []
-        logits_idx: list[int] = []
-        max_blocks = 1
-        for row, scheduled in enumerate(scheduler_output.scheduled_requests):
-            req = scheduled.request
-            start = req.num_computed_tokens
-            n = scheduled.num_tokens
-            end = start + n
-            ids.extend(req.all_token_ids[start:end])
-            if end > req.num_tokens:  # the last token is pending: filled in on the device
-                ids.append(0)
-            table = req.block_ids
-            if n == 1:
-                pos_chunks.append(np.array([start], dtype=np.int64))
-                slot_chunks.append(np.array([table[start // bs] * bs + start % bs], dtype=np.int64))
-            else:
-                pos = np.arange(start, end, dtype=np.int64)
-                pos_chunks.append(pos)
-                slot_chunks.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            qlens.append(n)
-            slens.append(end)
-            max_blocks = max(max_blocks, len(table))
-            if scheduled.needs_sample:
-                sample_rows.append(row)
-                logits_idx.append(len(ids) - 1)
-        tables = np.zeros((len(scheduler_output.scheduled_requests), max_blocks), dtype=np.int32)
-        for row, scheduled in enumerate(scheduler_output.scheduled_requests):
-            t = scheduled.request.block_ids
-            tables[row, : len(t)] = t
-        qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
-        np.cumsum(qlens, out=qsl[1:])
+        """The step's inputs on the device, for the eager forward (built by :attr:`input_builder`)."""
+        host = self.input_builder.build(scheduler_output)
         dev = self.device
+        seq_lens = host.seq_lens_list
         meta = AttentionMetadata(
-            slot_mapping=to_device(torch.from_numpy(np.concatenate(slot_chunks)), dev),
-            query_start_loc=to_device(torch.from_numpy(qsl), dev),
-            seq_lens=to_device(torch.tensor(slens, dtype=torch.int32), dev),
-            block_tables=to_device(torch.from_numpy(tables), dev),
-            max_query_len=max(qlens),
-            max_seq_len=max(slens),
-            query_lens_cpu=qlens,
-            seq_lens_cpu=slens,
+            slot_mapping=to_device(torch.from_numpy(host.slot_mapping), dev),
+            query_start_loc=to_device(torch.from_numpy(host.query_start_loc), dev),
+            seq_lens=to_device(torch.from_numpy(host.seq_lens), dev),
+            block_tables=to_device(torch.from_numpy(host.block_tables), dev),
+            max_query_len=max(host.query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=host.query_lens,
+            seq_lens_cpu=seq_lens,
         )
-        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), dev)
-        self._fill_pending_tokens(scheduler_output, input_ids, qsl[1:] - 1)
+        input_ids = to_device(torch.from_numpy(host.token_ids), dev)
+        self._fill_pending_tokens(scheduler_output, input_ids, host.query_start_loc[1:] - 1)
         return BatchInputs(
             input_ids=input_ids,
-            positions=to_device(torch.from_numpy(np.concatenate(pos_chunks)), dev),
+            positions=to_device(torch.from_numpy(host.positions), dev),
             meta=meta,
-            logits_indices=to_device(torch.tensor(logits_idx, dtype=torch.int64), dev),
-            sample_rows=sample_rows,
-            row_starts=qsl[:-1].tolist(),
+            logits_indices=to_device(torch.tensor(host.logits_indices, dtype=torch.int64), dev),
+            sample_rows=host.sample_rows,
+            row_starts=host.query_start_loc[:-1].tolist(),
         )
 
     def _fill_pending_tokens(

@@ -22,12 +22,11 @@ from pagedllm.request import Request
 from pagedllm.worker.block_tables import BlockTableRows
 from pagedllm.worker.cuda_graphs import (
     CUDAGraphRunner,
-    DecodeInputs,
     capture_batch_sizes,
-    fill_decode_inputs,
     graph_memory_estimate,
     select_batch_size,
 )
+from pagedllm.worker.step_inputs import DecodeInputs, fill_decode_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

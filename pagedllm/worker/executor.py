@@ -1,0 +1,135 @@
+"""The executor: everything the engine needs from the device side, behind one object.
+
+:class:`Executor` loads the checkpoint, resolves the device, dtype and attention backend, builds the
+:class:`~pagedllm.worker.model_runner.ModelRunner`, sizes and allocates the paged KV cache, and
+prepares the fast decode path (CUDA graphs on a GPU, the native decode layers on a CPU). The engine
+asks it to :meth:`launch` scheduled steps and nothing else. This executor runs one worker in the
+engine's own process; executors that run workers in other processes (multi-process, tensor and
+pipeline parallel) offer the same attributes and :meth:`launch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.attention.selector import choose_attention_backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.model.loader import load_checkpoint
+from pagedllm.sample.sampler import DeviceSamples
+from pagedllm.worker.cuda_graphs import graph_memory_estimate
+from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagedllm.worker.phase_times import StepPhaseTimes
+
+logger = logging.getLogger("pagedllm")
+
+# KV cache of a CPU engine when neither num_kv_blocks nor kv_cache_memory_bytes is given (at most).
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class Executor:
+    """One in-process worker: the model runner and its KV cache tensors.
+
+    After construction the KV cache holds ``num_kv_blocks`` blocks of ``config.block_size`` tokens;
+    block ids handed to :meth:`launch` (through the scheduler's block tables) index it.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        ckpt = load_checkpoint(config.model)
+        self.config = config
+        self.tokenizer = ckpt.tokenizer
+        self.model_config = ckpt.config
+        self.model_name = config.served_model_name or ckpt.name
+        model_max = ckpt.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is larger than the model's limit of {model_max} tokens."
+            )
+        self.max_model_len = config.max_model_len or model_max
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(4096, config.max_num_seqs)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attention_backend = choose_attention_backend(config.attention_backend, self.device, self.dtype)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(
+            ckpt.config,
+            ckpt.weights,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            attention_backend=self.attention_backend,
+            max_num_seqs=config.max_num_seqs,
+        )
+        del ckpt
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_cuda_graphs(config.max_num_seqs)
+        elif self.device.type == "cpu" and not config.enforce_eager:
+            self.runner.enable_native_decode()
+        self.load_time_s = time.perf_counter() - started
+
+    def launch(
+        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
+    ) -> tuple[list[int], DeviceSamples | None]:
+        """Launch a step's forward and sampling: the rows that sample, and their tokens (on the device)."""
+        return self.runner.launch(scheduler_output, times)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.runner.kv_bytes_per_block
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.runner.kv_bytes_per_block
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            # Enough for max_num_seqs full-length sequences, capped at CPU_DEFAULT_KV_BYTES.
+            blocks_needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+            budget = min(CPU_DEFAULT_KV_BYTES, blocks_needed * per_block)
+        num = budget // per_block
+        if num < 1:
+            raise ValueError(f"not enough memory for a single KV block ({per_block} bytes).")
+        return int(num)
+
+    def _cuda_kv_budget(self) -> int:
+        """KV cache bytes on a GPU, after profiling a forward at ``max_num_batched_tokens``.
+
+        ``gpu_memory_utilization`` of the device's memory, less the profiled peak of torch's allocator
+        (weights and activations), less what is held outside it (the CUDA context, other processes),
+        less a margin for the decode CUDA graphs.
+        """
+        cfg = self.config
+        max_tokens = self.max_num_batched_tokens
+        peak = self.runner.profile_peak_memory(max_tokens, cfg.max_num_seqs)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        graphs = 0
+        if not cfg.enforce_eager and self.runner.backend.supports_graph_capture:
+            graphs = graph_memory_estimate(self.model_config, cfg.max_num_seqs, self.runner.dtype)
+        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graphs
+        per_block = self.runner.kv_bytes_per_block
+        logger.info(
+            "GPU memory: %.2f GiB total x %.2f utilization; peak of a %d-token forward %.2f GiB (weights "
+            "%.2f GiB), outside torch %.2f GiB, CUDA graph margin %.2f GiB -> KV cache %.2f GiB = %d blocks",
+            total / 2**30,
+            cfg.gpu_memory_utilization,
+            max_tokens,
+            peak / 2**30,
+            torch.cuda.memory_allocated(self.device) / 2**30,
+            non_torch / 2**30,
+            graphs / 2**30,
+            max(budget, 0) / 2**30,
+            max(budget, 0) // per_block,
+        )
+        return budget

@@ -1,0 +1,215 @@
+"""The one place a step's model inputs are built on the host.
+
+:class:`StepInputBuilder` turns a :class:`~pagedllm.core.scheduler.SchedulerOutput` into the flat-batch
+arrays the forward reads (token ids, positions, slot mapping, query and sequence lengths, block
+tables, the rows to sample). The eager forward copies them to the device as they are; a CUDA-graph
+replay has them written, padded to its bucket, into its pinned staging buffers and copies those into
+the graph's static buffers. Both therefore compute every position, slot and block table the same way.
+
+Block tables come from :class:`~pagedllm.worker.block_tables.BlockTableRows`, shared by both paths:
+a running request keeps a row whose ids are copied in as its table grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.request import Request
+from pagedllm.worker.block_tables import BlockTableRows
+
+
+@dataclass
+class HostStepInputs:
+    """One step's inputs on the host (numpy), laid out as :class:`AttentionMetadata` describes.
+
+    Rows past ``num_reqs`` (decode batches padded to a CUDA-graph bucket) are padding: token 0 at
+    position 0, slot -1, a context of one position in block 0.
+    """
+
+    token_ids: np.ndarray  # [num_rows] int64; 0 where a pending token is written on the device
+    positions: np.ndarray  # [num_rows] int64
+    slot_mapping: np.ndarray  # [num_rows] int64; -1 = no KV write
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    seq_lens: np.ndarray  # [num_seqs] int32: context length including the new tokens
+    block_tables: np.ndarray  # [num_seqs, width] int32; entries past a sequence's context unused
+    query_lens: list[int]  # new tokens of each real request
+    num_reqs: int  # real requests (the first num_reqs sequences)
+    sample_rows: list[int]  # indices into scheduled_requests of the requests that sample
+    logits_indices: list[int]  # flat row of each sampled request's last token
+
+    @property
+    def seq_lens_list(self) -> list[int]:
+        return self.seq_lens[: self.num_reqs].tolist()  # type: ignore[no-any-return]
+
+
+class StepInputBuilder:
+    """Builds :class:`HostStepInputs` for eager and CUDA-graph steps alike."""
+
+    def __init__(self, block_size: int, max_rows: int, max_blocks_per_seq: int) -> None:
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_table_rows = BlockTableRows(max_rows, max_blocks_per_seq)
+
+    def build(
+        self,
+        scheduler_output: SchedulerOutput,
+        *,
+        padded_rows: int | None = None,
+        out: DecodeInputs | None = None,
+    ) -> HostStepInputs:
+        """The step's inputs. A decode-only step may be padded to ``padded_rows`` and written into
+        ``out`` (a CUDA graph's staging buffers); other steps get fresh arrays."""
+        scheduled = scheduler_output.scheduled_requests
+        requests = [s.request for s in scheduled]
+        rows = self.block_table_rows.update(requests)
+        sample_rows = [i for i, s in enumerate(scheduled) if s.needs_sample]
+        if all(s.num_tokens == 1 for s in scheduled):
+            return self._decode(requests, rows, sample_rows, padded_rows, out)
+        if padded_rows is not None or out is not None:
+            raise ValueError("only decode-only steps are padded into staging buffers.")
+        return self._mixed(scheduler_output, rows, sample_rows)
+
+    def _decode(
+        self,
+        requests: list[Request],
+        rows: np.ndarray,
+        sample_rows: list[int],
+        padded_rows: int | None,
+        out: DecodeInputs | None,
+    ) -> HostStepInputs:
+        n = len(requests)
+        padded = padded_rows if padded_rows is not None else n
+        if out is None:
+            out = DecodeInputs.zeros(padded, self.max_blocks_per_seq)
+        positions = [r.num_computed_tokens for r in requests]
+        # A pending token (p == num_tokens) is written on the device by the model runner afterwards.
+        token_ids = [
+            r.all_token_ids[p] if p < r.num_tokens else 0 for r, p in zip(requests, positions, strict=True)
+        ]
+        width = fill_decode_inputs(
+            token_ids, positions, self.block_table_rows.array[rows], self.block_size, padded, out
+        )
+        return HostStepInputs(
+            token_ids=out.input_ids[:padded],
+            positions=out.positions[:padded],
+            slot_mapping=out.slot_mapping[:padded],
+            query_start_loc=np.arange(padded + 1, dtype=np.int32),
+            seq_lens=out.seq_lens[:padded],
+            block_tables=out.block_tables[: padded * width].reshape(padded, width),
+            query_lens=[1] * n,
+            num_reqs=n,
+            sample_rows=sample_rows,
+            logits_indices=sample_rows,  # request i is flat row i
+        )
+
+    def _mixed(
+        self, scheduler_output: SchedulerOutput, rows: np.ndarray, sample_rows: list[int]
+    ) -> HostStepInputs:
+        bs = self.block_size
+        scheduled = scheduler_output.scheduled_requests
+        ids: list[int] = []
+        pos_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        qlens: list[int] = []
+        slens: list[int] = []
+        logits_indices: list[int] = []
+        width = 1
+        for item in scheduled:
+            req = item.request
+            start = req.num_computed_tokens
+            end = start + item.num_tokens
+            ids.extend(req.all_token_ids[start:end])
+            if end > req.num_tokens:  # the last token is pending: filled in on the device
+                ids.append(0)
+            pos = np.arange(start, end, dtype=np.int64)
+            pos_chunks.append(pos)
+            slot_chunks.append(np.asarray(req.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            qlens.append(item.num_tokens)
+            slens.append(end)
+            width = max(width, len(req.block_ids))
+            if item.needs_sample:
+                logits_indices.append(len(ids) - 1)
+        tables = self.block_table_rows.array[rows, :width]  # a copy (fancy indexing)
+        for row, item in enumerate(scheduled):
+            tables[row, len(item.request.block_ids) :] = 0  # past its table: stale ids of a former owner
+        qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=qsl[1:])
+        return HostStepInputs(
+            token_ids=np.asarray(ids, dtype=np.int64),
+            positions=np.concatenate(pos_chunks),
+            slot_mapping=np.concatenate(slot_chunks),
+            query_start_loc=qsl,
+            seq_lens=np.asarray(slens, dtype=np.int32),
+            block_tables=tables,
+            query_lens=qlens,
+            num_reqs=len(scheduled),
+            sample_rows=sample_rows,
+            logits_indices=logits_indices,
+        )
+
+
+@dataclass
+class DecodeInputs:
+    """Host arrays holding one decode batch in the graph's layout.
+
+    ``block_tables`` is flat: a batch padded to ``rows`` rows with a table ``width`` entries wide
+    occupies its first ``rows * width`` elements as a contiguous ``[rows, width]`` array.
+    """
+
+    input_ids: np.ndarray  # [max_rows] int64
+    positions: np.ndarray  # [max_rows] int64
+    slot_mapping: np.ndarray  # [max_rows] int64
+    seq_lens: np.ndarray  # [max_rows] int32
+    block_tables: np.ndarray  # [max_rows * max_blocks_per_seq] int32
+
+    @classmethod
+    def zeros(cls, max_rows: int, max_blocks_per_seq: int) -> DecodeInputs:
+        return cls(
+            input_ids=np.zeros(max_rows, dtype=np.int64),
+            positions=np.zeros(max_rows, dtype=np.int64),
+            slot_mapping=np.full(max_rows, -1, dtype=np.int64),
+            seq_lens=np.ones(max_rows, dtype=np.int32),
+            block_tables=np.zeros(max_rows * max_blocks_per_seq, dtype=np.int32),
+        )
+
+
+def fill_decode_inputs(
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    block_tables: np.ndarray,
+    block_size: int,
+    padded_rows: int,
+    out: DecodeInputs,
+) -> int:
+    """Write a decode batch padded to ``padded_rows`` rows into ``out``; returns the block-table width.
+
+    Row ``i`` computes ``token_ids[i]`` at ``positions[i]`` (its context is ``positions[i] + 1``
+    tokens long) with logical-to-physical block table ``block_tables[i]`` (a 2-D int32 array; entries
+    past a row's context are copied up to the width but never read). Padding rows get token 0,
+    position 0, slot -1 (no KV write), a context of one position and block 0 as their first block.
+    """
+    n = len(token_ids)
+    if not 0 < n <= padded_rows or len(positions) != n or len(block_tables) != n:
+        raise ValueError(f"cannot pad a batch of {n} rows to {padded_rows}.")
+    bs = block_size
+    pos = out.positions[:n]
+    pos[:] = positions
+    used = pos // bs + 1
+    width = int(used.max())
+    if padded_rows * width > out.block_tables.shape[0] or block_tables.shape[1] < width:
+        raise ValueError(f"a block table {width} entries wide does not fit the staging buffer.")
+    out.input_ids[:n] = token_ids
+    np.add(pos, 1, out=out.seq_lens[:n], casting="unsafe")
+    tables = out.block_tables[: padded_rows * width].reshape(padded_rows, width)
+    tables[:n] = block_tables[:, :width]
+    out.slot_mapping[:n] = tables[np.arange(n), used - 1].astype(np.int64) * bs + pos % bs
+    out.input_ids[n:padded_rows] = 0
+    out.positions[n:padded_rows] = 0
+    out.slot_mapping[n:padded_rows] = -1
+    out.seq_lens[n:padded_rows] = 1
+    tables[n:, 0] = 0
+    return width
