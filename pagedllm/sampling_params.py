@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,10 @@ class StructuredOutputsParams:
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+
+# Temperatures above this flatten every distribution to uniform sampling; larger values are refused.
+MAX_TEMPERATURE = 100.0
 
 
 @dataclass
@@ -88,6 +93,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
+            if any(isinstance(k, bool) or isinstance(v, bool) for k, v in self.logit_bias.items()):
+                raise ValueError("logit_bias must map token ids to numbers, not booleans.")
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
@@ -102,12 +109,23 @@ class SamplingParams:
         def bad(field_name: str, msg: str) -> ValueError:
             return ValueError(f"{field_name} {msg}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be at least 1, got {self.n}.")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad("n", f"must be an integer of at least 1, got {self.n!r}.")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}.")
         if self.best_of is not None and self.best_of != self.n:
             raise bad("best_of", "is not supported; use n instead.")
-        if self.temperature < 0.0:
-            raise bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}.")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -135,16 +153,17 @@ class SamplingParams:
             raise bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
-                if not -100.0 <= bias <= 100.0:
+                if not -100.0 <= bias <= 100.0:  # NaN fails this too
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "must not be empty.")
         for s in self.stop:  # type: ignore[union-attr]
             if not isinstance(s, str) or not s:
                 raise bad("stop", "must contain only non-empty strings.")
-        for t in self.stop_token_ids or []:
-            if not isinstance(t, int) or t < 0:
-                raise bad("stop_token_ids", f"must contain non-negative integers, got {t!r}.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for t in getattr(self, name) or []:
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise bad(name, f"must contain non-negative integers, got {t!r}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}.")
         if self.seed is not None and not isinstance(self.seed, int):

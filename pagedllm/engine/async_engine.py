@@ -69,7 +69,7 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue already holds ``max_queued_requests`` requests."""
+    """The waiting queue would hold more than ``max_queued_requests`` sequences."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -147,8 +147,11 @@ _Command = _Add | _Abort | _Stop
 class AsyncLLMEngine:
     """Runs a synchronous engine in a background thread and serves it to asyncio callers.
 
-    ``max_queued_requests`` bounds the number of requests waiting to be scheduled (None = unbounded);
-    a request arriving when that many are waiting is refused with :class:`QueueFullError`.
+    ``max_queued_requests`` bounds the number of sequences waiting to be scheduled (None = unbounded;
+    a request with ``n`` > 1 counts ``n``); a request that would exceed it is refused with
+    :class:`QueueFullError`. A structured-output grammar is compiled on a worker thread before the
+    request reaches the engine thread (which then finds it in the grammar cache), so a slow grammar
+    stalls no other request; one that takes longer than ``grammar_compile_timeout`` seconds is refused.
     """
 
     def __init__(
@@ -158,11 +161,13 @@ class AsyncLLMEngine:
         max_queued_requests: int | None = None,
         metrics: EngineMetrics | None = None,
         log_stats_interval: float | None = 5.0,
+        grammar_compile_timeout: float = 10.0,
     ) -> None:
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be non-negative, got {max_queued_requests}.")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.grammar_compile_timeout = grammar_compile_timeout
         self.metrics = metrics
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -233,6 +238,8 @@ class AsyncLLMEngine:
         iterator of the request's cumulative outputs, ending with the finished one; closing or
         abandoning the iterator early aborts the request.
         """
+        if params.structured_outputs is not None:
+            await self._compile_grammar(params)
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             if self._dead is not None or self._thread is None:
@@ -247,6 +254,21 @@ class AsyncLLMEngine:
             self.abort(request_id)
             raise
         return self._iterate(stream)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar off the engine thread (into the engine's grammar cache)."""
+        manager = getattr(self.engine, "structured_output_manager", None)
+        if manager is None or params.structured_outputs is None:
+            return
+        task = asyncio.ensure_future(asyncio.to_thread(manager.compile, params.structured_outputs))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.grammar_compile_timeout)
+        except TimeoutError:
+            # The compilation cannot be interrupted: it finishes in its thread and is cached.
+            task.add_done_callback(lambda t: t.exception())
+            raise ValueError(
+                f"structured_outputs: compiling the grammar took longer than {self.grammar_compile_timeout:g} s."
+            ) from None
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -407,12 +429,14 @@ class AsyncLLMEngine:
             if self.max_queued_requests is not None:
                 if waiting is None:
                     waiting = self.engine.get_stats().num_waiting
-                if waiting >= self.max_queued_requests:
+                # The bound counts sequences: a request with n = 4 queues four.
+                if waiting + cmd.params.n > self.max_queued_requests:
                     self._drop(stream)
                     stream.fail(
                         QueueFullError(
-                            f"The server is overloaded: {waiting} requests are already waiting "
-                            f"(max_queued_requests={self.max_queued_requests}). Retry later."
+                            f"The server is overloaded: {waiting} sequences are already waiting and this "
+                            f"request adds {cmd.params.n} (max_queued_requests={self.max_queued_requests}). "
+                            "Retry later."
                         )
                     )
                     continue
@@ -423,7 +447,7 @@ class AsyncLLMEngine:
                 stream.fail(exc)
                 continue
             if waiting is not None:
-                waiting += 1
+                waiting += cmd.params.n
             stream.accept()
         return False
 

@@ -8,6 +8,7 @@ state, so a rejected request leaves nothing behind.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ class InputLimits:
     max_logprobs: int  # most top logprobs per token (sampled and prompt)
     block_size: int
     num_kv_blocks: int  # a sequence must fit in the whole KV pool
+    max_num_seqs: int  # the most sequences that run at once: a request's n is at most this
 
 
 @dataclass
@@ -46,17 +48,19 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.limits = limits
         self._structured_output_manager: StructuredOutputManager | None = None
+        self._manager_lock = threading.Lock()  # the manager is also used by the server's worker threads
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:
         """Grammar compilation for structured outputs, set up on first use (xgrammar loads slowly)."""
-        if self._structured_output_manager is None:
-            from pagedllm.structured import StructuredOutputManager
+        with self._manager_lock:
+            if self._structured_output_manager is None:
+                from pagedllm.structured import StructuredOutputManager
 
-            self._structured_output_manager = StructuredOutputManager(
-                self.tokenizer, self.limits.vocab_size, self.eos_token_ids
-            )
-        return self._structured_output_manager
+                self._structured_output_manager = StructuredOutputManager(
+                    self.tokenizer, self.limits.vocab_size, self.eos_token_ids
+                )
+            return self._structured_output_manager
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (None when given as ids) and token ids; ValueError when empty or out of
@@ -95,6 +99,11 @@ class InputProcessor:
     ) -> ProcessedRequest:
         """Validate and build the sequences of one request (ids ``request_id`` or ``{i}_{request_id}``)."""
         limits = self.limits
+        if params.n > limits.max_num_seqs:
+            raise ValueError(
+                f"n must be at most max_num_seqs ({limits.max_num_seqs}), the sequences that run at once; "
+                f"got {params.n}."
+            )
         text, ids = self.tokenize(prompt)
         params.verify_vocab(limits.vocab_size)
         if params.logprobs is not None and params.logprobs > limits.max_logprobs:

@@ -99,6 +99,7 @@ class LLMEngine:
                 max_logprobs=config.max_logprobs,
                 block_size=config.block_size,
                 num_kv_blocks=num_blocks,
+                max_num_seqs=config.max_num_seqs,
             ),
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -153,6 +154,13 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         processed = self.input_processor.process(request_id, prompt, params, arrival_time)
+        # Sequence ids (the request id, or "{i}_{request_id}" for n > 1) must not collide with another
+        # request's sequences: "0_X" of a request "X" with n = 2 and a request "0_X" would.
+        in_use = [
+            s.request_id for s in processed.sequences if s.request_id in self.output_processor.sequences
+        ]
+        if in_use:
+            raise ValueError(f"request_id {request_id!r}: sequence id {in_use[0]!r} is already in use.")
         self.output_processor.add_request(request_id, processed.prompt, processed.sequences)
         for req in processed.sequences:
             self.scheduler.add_request(req)

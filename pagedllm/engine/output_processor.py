@@ -176,11 +176,13 @@ class OutputProcessor:
         """Append a sampled token (sampled at ``now``, by ``time.monotonic``); returns the finishing
         status if the sequence is done."""
         grammar = req.grammar
-        if grammar is not None and not grammar.accept_token(token_id):
-            # Other constraints (min_tokens, bad_words, ...) masked every token the grammar allows: the
-            # token is dropped and the sequence ends, complete ("stop") or not ("abort").
+        if token_id < 0 or (grammar is not None and not grammar.accept_token(token_id)):
+            # The request's constraints (allowed ids, bad words, min_tokens, a grammar) left no token
+            # to sample (the sampler's NO_TOKEN), or masked every token its grammar allows: nothing is
+            # appended and the sequence ends, complete ("stop") or not ("abort").
             req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED if grammar.is_completed else RequestStatus.FINISHED_ABORTED
+            complete = grammar is not None and grammar.is_completed
+            return RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ABORTED
         if req.first_token_time is None:
             req.first_token_time = now
         elif req.last_token_time is not None:

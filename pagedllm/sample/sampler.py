@@ -32,6 +32,9 @@ from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
+# The token id of a row that had no token left to sample (see Sampler.sample).
+NO_TOKEN = -1
+
 
 @dataclass
 class SampledTokens:
@@ -41,6 +44,7 @@ class SampledTokens:
     and the ``params[i].logprobs`` most likely tokens to their :class:`Logprob` (log probability under
     the raw model distribution and 1-based rank in it). ``sampled_logprobs[i]`` is the raw log
     probability of the sampled token, for the cumulative log probability of the sequence.
+    ``token_ids[i]`` is :data:`NO_TOKEN` when the row's constraints left no token to sample.
     """
 
     token_ids: list[int]
@@ -64,13 +68,14 @@ class DeviceSamples:
     ranks: torch.Tensor | None = None  # [len(logprob_rows)]: 1-based rank of the sampled token
     top_ids: torch.Tensor | None = None  # [len(logprob_rows), max k]
     top_logprobs: torch.Tensor | None = None  # [len(logprob_rows), max k]
+    no_token: torch.Tensor | None = None  # [rows] bool: no token was allowed (None: none checked)
     _copied: torch.cuda.Event | None = None
 
     def copy_to_host(self) -> None:
         """Queue non-blocking copies of the results to pinned host memory (a no-op off CUDA)."""
         if self.token_ids.device.type != "cuda" or self._copied is not None:
             return
-        for name in ("token_ids", "sampled_logprobs", "ranks", "top_ids", "top_logprobs"):
+        for name in ("token_ids", "sampled_logprobs", "ranks", "top_ids", "top_logprobs", "no_token"):
             value = getattr(self, name)
             if value is not None:
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
@@ -83,6 +88,9 @@ class DeviceSamples:
         if self._copied is not None:
             self._copied.synchronize()
         token_ids: list[int] = self.token_ids.tolist()
+        if self.no_token is not None and bool(self.no_token.any()):
+            for i in self.no_token.nonzero().flatten().tolist():
+                token_ids[i] = NO_TOKEN
         sampled: list[float] = self.sampled_logprobs.tolist()
         logprobs: list[dict[int, Logprob] | None] = [None] * len(token_ids)
         if self.ranks is not None:
@@ -290,6 +298,11 @@ class Sampler:
             processed = raw
             owned = False
 
+        # A row whose constraints (allowed ids, bad words, min_tokens, a grammar) leave no token gets
+        # token 0 on the device, so a step scheduled ahead still reads a valid id, and NO_TOKEN on the
+        # host, where its request ends.
+        no_token = ~(processed.amax(dim=-1) > _NEG_INF) if owned or batch.masked_rows else None
+
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sampled_raw: torch.Tensor | None = None
         if len(greedy_rows) == num_rows:
@@ -318,9 +331,12 @@ class Sampler:
             )
             token_ids.index_copy_(0, random_index, sampled)
 
+        if no_token is not None:
+            token_ids = token_ids.masked_fill(no_token, 0)
+            sampled_raw = None
         if sampled_raw is None:
             sampled_raw = raw.gather(1, token_ids[:, None]).squeeze(1)
-        result = DeviceSamples(token_ids, sampled_raw - raw_logsumexp, params)
+        result = DeviceSamples(token_ids, sampled_raw - raw_logsumexp, params, no_token=no_token)
         _top_logprobs(result, raw, raw_logsumexp, sampled_raw)
         return result
 

@@ -27,6 +27,9 @@ class SamplingInputs:
     generators: list[torch.Generator | None]
     bad_words_token_ids: list[list[list[int]]] | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Rows whose logits the caller masked before sampling (structured-output grammars): like rows
+    # with logits processors, they are checked for having any token left.
+    masked_rows: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.params)

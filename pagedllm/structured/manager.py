@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -96,20 +97,24 @@ class StructuredOutputManager:
         self.cache_size = cache_size
         self.any_whitespace = any_whitespace
         self._cache: OrderedDict[GrammarKey, xgr.CompiledGrammar] = OrderedDict()
+        # compile() is called from the engine thread and from the front end's worker threads.
+        self._cache_lock = threading.Lock()
         self.num_compilations = 0
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of ``params`` (cached). Raises ValueError naming an invalid constraint."""
         key = grammar_key(params)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
-        compiled = self._compile(key)
-        self.num_compilations += 1
-        self._cache[key] = compiled
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiled = self._compile(key)  # outside the lock: other grammars compile meanwhile
+        with self._cache_lock:
+            self.num_compilations += 1
+            self._cache[key] = compiled
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:

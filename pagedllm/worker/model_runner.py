@@ -27,6 +27,9 @@ from pagedllm.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
 
+# Prompt positions whose logprobs are computed together (each holds a vocabulary of float32 logits).
+PROMPT_LOGPROBS_POSITIONS = 256
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -333,18 +336,35 @@ class ModelRunner:
             if first >= last:
                 continue
             base = inputs.row_starts[row] - start
-            logits = self.model.compute_logits(hidden[base + first : base + last])
-            logprobs = torch.log_softmax(logits, dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logprobs.device)
-            target_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
-            ranks = (logprobs > target_lp[:, None]).sum(-1) + 1
-            top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-            for i in range(last - first):
-                entry = {int(targets[i]): Logprob(float(target_lp[i]), int(ranks[i]))}
-                if top_ids is not None and top_lp is not None:
-                    for r, (tid, lp) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True)):
-                        entry.setdefault(tid, Logprob(lp, r + 1))
-                req.prompt_logprobs.append(entry)
+            # In slices of positions, so a long prompt never holds full-vocabulary float rows for
+            # every position at once.
+            for lo in range(first, last, PROMPT_LOGPROBS_POSITIONS):
+                hi = min(lo + PROMPT_LOGPROBS_POSITIONS, last)
+                req.prompt_logprobs.extend(
+                    self._prompt_logprobs_slice(
+                        hidden[base + lo : base + hi], req.prompt_token_ids[lo + 1 : hi + 1], k
+                    )
+                )
+
+    def _prompt_logprobs_slice(
+        self, hidden: torch.Tensor, targets_list: list[int], k: int
+    ) -> list[dict[int, Logprob] | None]:
+        """Logprob entries of ``targets_list`` (the prompt tokens that ``hidden``'s positions predict)."""
+        logits = self.model.compute_logits(hidden)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        del logits
+        targets = torch.tensor(targets_list, device=logprobs.device)
+        target_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > target_lp[:, None]).sum(-1) + 1
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+        entries: list[dict[int, Logprob] | None] = []
+        for i in range(len(targets_list)):
+            entry = {int(targets[i]): Logprob(float(target_lp[i]), int(ranks[i]))}
+            if top_ids is not None and top_lp is not None:
+                for r, (tid, lp) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True)):
+                    entry.setdefault(tid, Logprob(lp, r + 1))
+            entries.append(entry)
+        return entries
 
     @torch.inference_mode()
     def launch(
@@ -380,6 +400,7 @@ class ModelRunner:
             generators=[r.generator for r in reqs],
             bad_words_token_ids=[r.bad_words_token_ids for r in reqs],
             eos_token_ids=reqs[0].eos_token_ids,
+            masked_rows=[i for i, r in enumerate(reqs) if r.grammar is not None],
         )
         sampled = self.sampler.sample(logits, batch)
         self.previous_tokens = PreviousTokens(
