@@ -1,16 +1,8 @@
-"""The interface every attention backend implements, and the batch metadata it reads
-(:class:`AttentionMetadata`, defined beside the kernels that read it).
+"""The interface every attention backend implements.
 
-KV cache layout (per layer): ``k_cache`` and ``v_cache`` of shape
-``[num_blocks, block_size, num_kv_heads, head_dim]``. Slot ``s`` is block ``s // block_size``,
-offset ``s % block_size``.
-
-A batch is a flat list of ``num_tokens`` query tokens from ``B`` requests. Request ``i`` owns query
-rows ``query_start_loc[i]:query_start_loc[i+1]`` and has ``seq_lens[i]`` tokens of context in
-total, including its new tokens; so its new tokens sit at positions
-``seq_lens[i] - query_len_i ... seq_lens[i] - 1`` and attend causally to every earlier position
-(cached prefix, earlier chunks, and earlier new tokens). A decode is a request with query_len 1.
-The K/V of the new tokens are written at ``slot_mapping`` before attention reads them.
+Backends read a batch described by :class:`AttentionMetadata` (defined beside the kernels in
+:mod:`pagedllm.kernels.attention_metadata`, which states the KV cache layout and the flat-batch
+layout) and write new K/V at its ``slot_mapping`` before attention reads them.
 """
 
 from __future__ import annotations
