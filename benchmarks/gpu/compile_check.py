@@ -26,25 +26,21 @@ import itertools
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
+import triton
+from sections.common import QWEN3_0_6B  # (puts the repository on sys.path)
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from run_gpu import QWEN3_0_6B  # noqa: E402
-
-from pagedllm.attention.base import AttentionMetadata  # noqa: E402
-from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pagedllm.kernels.triton import aot as triton_aot  # noqa: E402
-from pagedllm.model.config import ModelConfig  # noqa: E402
-from pagedllm.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
-from pagedllm.sample import Sampler, SamplingInputs  # noqa: E402
-from pagedllm.sampling_params import SamplingParams  # noqa: E402
-from pagedllm.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.attention.triton_backend import TritonAttentionBackend
+from pagedllm.bench.common import write_json
+from pagedllm.kernels.triton import aot as triton_aot
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
+from pagedllm.sample import Sampler, SamplingInputs
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 
 META = torch.device("meta")
 BLOCK_SIZE = 16
@@ -248,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": cases,
     }
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.output_json, report)
     print(format_table(cases))
     return 0
 

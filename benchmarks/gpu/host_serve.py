@@ -24,25 +24,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import httpx
+import torch
+from host_step import attach_stub_graphs
+from sections.serve import bench_app, in_process_client  # (puts the repository on sys.path)
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from host_step import attach_stub_graphs  # noqa: E402
-
-from pagedllm import LLM, RequestOutputKind, SamplingParams  # noqa: E402
-from pagedllm.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedllm.engine.metrics import EngineMetrics  # noqa: E402
-from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app  # noqa: E402
+from pagedllm import LLM, RequestOutputKind, SamplingParams
+from pagedllm.bench.common import write_json
+from pagedllm.engine.llm_engine import LLMEngine
 
 
 class StepClock:
@@ -104,32 +98,30 @@ def engine_alone(
         engine.step()
 
 
-async def serve(app: Any, n: int, max_tokens: int, stream: bool) -> int:
+async def serve(client: httpx.AsyncClient, n: int, max_tokens: int, stream: bool) -> int:
     """``n`` concurrent chat completions through the app; returns the number of events received."""
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://bench", timeout=600) as client:
 
-        async def one(i: int) -> int:
-            body = {
-                "model": "bench",
-                "messages": [{"role": "user", "content": f"Item {i}"}],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": stream,
-            }
-            if not stream:
-                r = await client.post("/v1/chat/completions", json=body)
-                r.raise_for_status()
-                return 1
-            events = 0
-            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    events += line.startswith("data: ")
-            return events
+    async def one(i: int) -> int:
+        body = {
+            "model": "bench",
+            "messages": [{"role": "user", "content": f"Item {i}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+        if not stream:
+            r = await client.post("/v1/chat/completions", json=body)
+            r.raise_for_status()
+            return 1
+        events = 0
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                events += line.startswith("data: ")
+        return events
 
-        return sum(await asyncio.gather(*(one(i) for i in range(n))))
+    return sum(await asyncio.gather(*(one(i) for i in range(n))))
 
 
 def main() -> int:
@@ -160,14 +152,12 @@ def main() -> int:
         engine_alone(engine, n, args.max_tokens, kind, rng)
         results[f"engine_{kind.name.lower()}"] = clock.steady(skip)
 
-    metrics = EngineMetrics("bench")
-    async_engine = AsyncLLMEngine(engine, metrics=metrics, log_stats_interval=None)
-    app = build_app(async_engine, ServerSettings(served_model_names=["bench"]), metrics)
+    app = bench_app(engine)
 
     async def run_server() -> None:
-        async with app.router.lifespan_context(app):
+        async with in_process_client(app) as client:
             for stream in (True, False):
-                events = await serve(app, n, args.max_tokens, stream)
+                events = await serve(client, n, args.max_tokens, stream)
                 name = "server_stream" if stream else "server_no_stream"
                 results[name] = {**clock.steady(skip), "events": events}
 
@@ -183,7 +173,7 @@ def main() -> int:
             f"{r['engine_thread_cpu_ms']:.2f} | {r['other_cpu_ms']:.2f}"
         )
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(results, indent=2))
+        write_json(args.output_json, results)
     return 0
 
 

@@ -19,7 +19,6 @@ less the sampler, whose tensor work runs on the device there).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from pagedllm import LLM, RequestOutputKind, SamplingParams  # noqa: E402
+from pagedllm.bench.common import write_json  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedllm.sample.sampler import Sampler, SamplingInputs  # noqa: E402
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
@@ -172,7 +172,7 @@ def main() -> int:
             print(" | ".join(cells))
     print(f"sampler host work (vocabulary of 64, temperature 1): {sampler:.2f} ms")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(results, indent=2))
+        write_json(args.output_json, results)
     return 0
 
 

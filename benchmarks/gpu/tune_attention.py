@@ -2,7 +2,8 @@
 """Times the paged-attention kernel's decode launch over a grid of tilings, on the batches that
 dominate the throughput workload (Qwen3-0.6B's attention shape, bf16, 16-token blocks).
 
-Each batch's caches are random, on the device, with shuffled physical blocks; every tiling's output
+Each batch's caches are random, with shuffled physical blocks (the test suite's paged batches,
+``tests/helpers/attention_cases.py``, moved to the device); every tiling's output
 is compared with the default tiling's (a broken tiling shows as a large difference), and its time is
 turned into the bandwidth of the K/V bytes it must read. The default tiling
 (:func:`pagedllm.kernels.triton.attention.choose_config`) is marked. A device-to-device copy gives
@@ -17,26 +18,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from sections.common import write_results  # (puts the repository and its test helpers on sys.path)
+from sections.kernels import on_device
+from sections.roofline import copy_bandwidth
 
-import torch  # noqa: E402
-from run_gpu import copy_bandwidth  # noqa: E402  (puts the repository on sys.path)
-
-from pagedllm.attention.base import AttentionMetadata  # noqa: E402
-from pagedllm.kernels.triton.attention import (  # noqa: E402
-    AttentionLaunchConfig,
-    choose_config,
-    paged_attention,
-)
+from helpers.attention_cases import Batch
+from pagedllm.kernels.triton.attention import AttentionLaunchConfig, choose_config, paged_attention
 
 
 @dataclass
@@ -63,31 +57,16 @@ def workload_batches(tiny: bool, seed: int) -> list[DecodeBatch]:
 
 
 def build(batch: DecodeBatch, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    blocks = [-(-s // batch.block_size) for s in batch.seq_lens]
-    num_blocks = sum(blocks) + 1
-    shape = (num_blocks, batch.block_size, batch.num_kv_heads, batch.head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32)
-    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = physical[used : used + n]
-        used += n
-    b = len(batch.seq_lens)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=device),
-        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
-        block_tables=table.to(device),
-        max_query_len=1,
-        max_seq_len=max(batch.seq_lens),
-        query_lens_cpu=[1] * b,
-        seq_lens_cpu=list(batch.seq_lens),
+    paged = Batch(
+        [(1, s) for s in batch.seq_lens],
+        block_size=batch.block_size,
+        num_kv_heads=batch.num_kv_heads,
+        group=batch.group,
+        head_dim=batch.head_dim,
+        dtype=dtype,
+        seed=seed,
     )
-    heads = batch.num_kv_heads * batch.group
-    query = torch.randn(b, heads, batch.head_dim, generator=gen).to(device=device, dtype=dtype)
+    query, k_cache, v_cache, meta = on_device(paged, device)
     kv_bytes = 2 * sum(batch.seq_lens) * batch.num_kv_heads * batch.head_dim * k_cache.element_size()
     return {"query": query, "k": k_cache, "v": v_cache, "meta": meta, "kv_bytes": kv_bytes}
 
@@ -171,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep(b, device, dtype, args.tiny, args.reps) for b in workload_batches(args.tiny, 0)
     ]
     results["seconds"] = time.perf_counter() - t0
-    for path in [args.output_json] + (
-        [os.path.join(os.environ["OUT"], "tune_attention.json")] if os.environ.get("OUT") else []
-    ):
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.output_json, "tune_attention.json", results)
     print(f"copy bandwidth: {results.get('copy_GBps', float('nan')):,.0f} GB/s")
     for b in results["batches"]:
         d = b["default"]

@@ -1,8 +1,10 @@
-"""Shared pieces of the benchmarks: machine description, statistics, tables, JSON output."""
+"""Shared pieces of the benchmarks: machine description, device synchronisation, statistics, tables,
+JSON output."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import math
 import os
@@ -16,8 +18,9 @@ import numpy as np
 import torch
 
 
-def machine_info() -> dict[str, Any]:
-    """The machine and software a measurement was taken on."""
+def machine_info(device: torch.device | None = None) -> dict[str, Any]:
+    """The machine and software a measurement was taken on; with ``device``, also that device,
+    Triton's version and, on a GPU, its name, memory, multiprocessors and CUDA version."""
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not on Linux
@@ -41,7 +44,42 @@ def machine_info() -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
+    if device is not None:
+        info.update(_device_info(device))
     return info
+
+
+def _device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": str(device)}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            gpu_memory_gib=props.total_memory / 2**30,
+            gpu_sms=props.multi_processor_count,
+            cuda=torch.version.cuda,
+        )
+    return info
+
+
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on ``device`` (a no-op off CUDA)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: torch.device | None) -> None:
+    """Collect garbage and, on CUDA, hand the allocator's cached blocks back to the device."""
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _cpu_model() -> str:
@@ -103,8 +141,9 @@ def ratio(a: float, b: float) -> float | None:
     return a / b
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table with right-aligned numeric columns; floats get two decimals."""
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left_columns: int = 1) -> str:
+    """A plain-text table: the first ``left_columns`` columns left-aligned (labels), the others
+    right-aligned (figures); floats get two decimals."""
 
     def cell(v: Any) -> str:
         if v is None:
@@ -119,14 +158,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in text)) if text else len(h) for i, h in enumerate(headers)]
     lines = [
         "  ".join(
-            h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))
+            h.ljust(w) if i < left_columns else h.rjust(w)
+            for i, (h, w) in enumerate(zip(headers, widths, strict=True))
         )
     ]
     lines.append("  ".join("-" * w for w in widths))
     for r in text:
         lines.append(
             "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+                c.ljust(w) if i < left_columns else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
             )
         )
     return "\n".join(lines)

@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import format_table, machine_info, now_iso, set_num_threads, write_json
+from pagedllm.bench.common import (
+    format_table,
+    machine_info,
+    now_iso,
+    set_num_threads,
+    synchronize,
+    write_json,
+)
 from pagedllm.bench.workloads import Workload
 from pagedllm.model.config import ModelConfig
 
@@ -100,16 +107,28 @@ def model_sizes(config: ModelConfig, name: str = "model", dtype_bytes: int = 4) 
     )
 
 
-def _best_time(fn: Any, repeats: int, min_time_s: float) -> float:
-    """Best wall time of one call of ``fn`` over ``repeats`` timed rounds (each at least ``min_time_s``)."""
-    fn()  # warm-up: first-touch allocation, kernel selection
+def best_time(
+    fn: Any,
+    repeats: int,
+    min_time_s: float,
+    device: torch.device | None = None,
+    warmup: int = 1,
+) -> float:
+    """Best wall time of one call of ``fn`` over ``repeats`` timed rounds (each at least ``min_time_s``,
+    calling ``fn`` again until it is), after ``warmup`` untimed calls (first-touch allocation, kernel
+    selection). On a GPU ``device`` is synchronised before each round and after each call, so that
+    the time is the device's."""
+    for _ in range(warmup):
+        fn()
     best = math.inf
     for _ in range(repeats):
         calls = 0
+        synchronize(device)
         start = time.perf_counter()
         while True:
             fn()
             calls += 1
+            synchronize(device)
             elapsed = time.perf_counter() - start
             if elapsed >= min_time_s:
                 break
@@ -174,7 +193,7 @@ def measure_gemm(
     for name, layers in methods.items():
         with torch.inference_mode():
             timed = sum(
-                _best_time(lambda m=m, x=inputs[w.shape[1]]: m(x), repeats, min_time_s / len(weights)) * count
+                best_time(lambda m=m, x=inputs[w.shape[1]]: m(x), repeats, min_time_s / len(weights)) * count
                 for m, (w, count) in zip(layers, weights, strict=True)
             )
         rates[name] = flops / timed
@@ -190,13 +209,19 @@ def measure_gemm(
 
 
 def measure_bandwidth(
-    size_mib: int = 256, dtype: torch.dtype = torch.float32, repeats: int = 5, min_time_s: float = 0.2
+    size_mib: int = 256,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 5,
+    min_time_s: float = 0.2,
+    device: torch.device | None = None,
+    warmup: int = 1,
 ) -> dict[str, float]:
-    """Copy bandwidth: bytes read plus bytes written per second for a ``size_mib`` MiB tensor."""
+    """Copy bandwidth: bytes read plus bytes written per second for a ``size_mib`` MiB tensor on
+    ``device`` (the CPU by default), timed by :func:`best_time`."""
     numel = size_mib * 2**20 // torch.empty((), dtype=dtype).element_size()
-    src = torch.rand(numel).to(dtype)
+    src = torch.rand(numel, device=device).to(dtype)
     dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src), repeats, min_time_s)
+    t = best_time(lambda: dst.copy_(src), repeats, min_time_s, device, warmup)
     moved = 2 * src.numel() * src.element_size()
     return {"size_mib": size_mib, "bytes_per_copy": float(moved), "time_s": t, "bytes_per_s": moved / t}
 

@@ -15,7 +15,8 @@ from conftest import cached_checkpoint
 from helpers.server import RemoteServer
 from pagedllm.bench import baselines, roofline, throughput
 from pagedllm.bench.common import distribution
-from pagedllm.bench.serve import RequestResult, arrival_offsets, parse_slo, summarize
+from pagedllm.bench.serve_client import RequestResult, arrival_offsets
+from pagedllm.bench.serve_report import parse_slo, summarize
 from pagedllm.bench.workloads import parse_range, prefix_workload, random_workload
 from pagedllm.entrypoints.cli import main
 

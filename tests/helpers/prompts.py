@@ -1,5 +1,6 @@
-"""Prompts shared by the engine invariance tests: four with a common system prompt (prefix
-cache hits), the rest short and distinct."""
+"""Prompts shared by the tests and the GPU script: for the engine invariance tests, four with a
+common system prompt (prefix cache hits), the rest short and distinct; for comparisons with
+transformers, short prompts of several kinds (prose, code, lists, translation, a question)."""
 
 SYSTEM = (
     "You are a careful assistant. Answer briefly and precisely, and never invent facts. "
@@ -26,4 +27,16 @@ PROMPTS = [
     "To be or not to be,",
     "Step 1: preheat the oven.",
     "The answer to life, the universe and everything is",
+]
+
+REFERENCE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three prime numbers:",
+    "Translate to French: I like apples.",
+    "The quick brown fox",
+    "1, 2, 3, 4, 5,",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "Émile a écrit un poème sur l'hiver 🌨️ :",
 ]

@@ -112,7 +112,7 @@ def test_compile_for_checks_shared_memory_and_leaves_no_trace() -> None:
     code = textwrap.dedent(
         """
         import torch, triton
-        from pagedllm.kernels.triton import aot as triton_aot, triton_kernels
+        from pagedllm.kernels.triton import aot as triton_aot, attention as triton_kernels
         from pagedllm.attention.base import AttentionMetadata
 
         meta_dev = torch.device("meta")
@@ -171,7 +171,8 @@ def test_step_sizes_compile_one_variant() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from pagedllm.kernels.triton import aot as triton_aot, triton_kernels as tk
+        from pagedllm.kernels.triton import aot as triton_aot, attention as tk
+        from pagedllm.kernels.triton.kv_write import write_kv
         from pagedllm.attention.base import AttentionMetadata
 
         dev = torch.device("meta")
@@ -190,7 +191,7 @@ def test_step_sizes_compile_one_variant() -> None:
                 query = torch.empty(tokens, 16, 128, dtype=torch.bfloat16, device=dev)
                 tk.paged_attention(query, cache, cache, meta, 0.1, config=config)
                 kv = query[:, :8]
-                tk.write_kv(kv, kv, cache, cache, meta.slot_mapping)
+                write_kv(kv, kv, cache, cache, meta.slot_mapping)
         for name in ("_paged_attention_kernel", "_write_kv_kernel"):
             ptx = [x.asm["ptx"] for x in launches if x.kernel == name]
             assert len(ptx) == 3 and len(set(ptx)) == 1, (name, len(set(ptx)))
