@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.prompts import REFERENCE_PROMPTS as PROMPTS
 from helpers.reference import assert_greedy_close, hf_greedy
 from pagedllm import SamplingParams
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "List three prime numbers:",
-    "Translate to French: I like apples.",
-    "The quick brown fox",
-    "1, 2, 3, 4, 5,",
-    "Q: What is the boiling point of water in Celsius?\nA:",
-    "Émile a écrit un poème sur l'hiver 🌨️ :",
-]
 
 
 @pytest.mark.slow
