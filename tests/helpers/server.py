@@ -166,6 +166,25 @@ class RemoteServer:
             samples = self.metrics()
         return samples
 
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Wait until no request runs or waits and every KV block is free (assert it); returns the
+        last ``/metrics`` samples."""
+        samples = self.wait_for_metrics(is_idle, timeout)
+        assert is_idle(samples), {k: v for k, v in samples.items() if k in IDLE_GAUGES}
+        return samples
+
+
+# Gauges that read 0 when the engine is idle with every KV block free.
+IDLE_GAUGES = (
+    "pagedllm:num_requests_running",
+    "pagedllm:num_requests_waiting",
+    "pagedllm:kv_cache_usage_perc",
+)
+
+
+def is_idle(samples: dict[str, float]) -> bool:
+    return all(samples.get(name) == 0 for name in IDLE_GAUGES)
+
 
 def parse_metrics(text: str) -> dict[str, float]:
     samples: dict[str, float] = {}

@@ -2,15 +2,46 @@
 
 Request models accept unknown fields (``extra="allow"``) so that clients sending newer OpenAI fields
 are not refused; the server logs and ignores them (see :attr:`OpenAIBaseModel.unknown_fields`).
+
+Numbers are checked before a request reaches the engine: every float of a request must be finite
+(JSON's ``1e999``, ``NaN`` and ``Infinity`` are refused) and not a boolean; token ids are strict
+integers (``true`` is not token 1); ``temperature`` is at most ``MAX_TEMPERATURE`` (100, as in
+``SamplingParams``) and ``seed`` a 64-bit integer. Request-size limits that depend on the server's
+flags are in :mod:`pagedllm.entrypoints.openai.limits`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    model_serializer,
+)
+
+from pagedllm.sampling_params import MAX_TEMPERATURE
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+# A float field of a request: finite (see ``allow_inf_nan`` below) and not a boolean.
+Number = Annotated[float, BeforeValidator(_not_bool)]
+# A token id: an integer, never a boolean, a float or a numeric string.
+TokenId = StrictInt
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 def random_id(prefix: str) -> str:
@@ -20,7 +51,7 @@ def random_id(prefix: str) -> str:
 class OpenAIBaseModel(BaseModel):
     """Base of every request model: unknown fields are kept aside instead of rejected."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @property
     def unknown_fields(self) -> list[str]:
@@ -59,40 +90,40 @@ class SamplingRequest(OpenAIBaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Number | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: Number | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    logit_bias: dict[str, Number] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
     best_of: int | None = None
     response_format: ResponseFormat | None = None
     # vLLM extras
     top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
     request_id: str | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Number = 1.0
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     suffix: str | None = None
     echo: bool = False
     logprobs: int | None = None
@@ -105,7 +136,7 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
@@ -120,6 +151,7 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless the server trusts request chat templates
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -132,12 +164,13 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------------------------- responses

@@ -73,19 +73,20 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         self.check_request_modes(request)
+        self.check_limits(request)
         aliases = self.param_aliases(request, {"logprobs": "top_logprobs", "prompt": "messages"})
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
             max_tokens = request.max_completion_tokens
             aliases["max_tokens"] = "max_completion_tokens"
 
-        prompt_text = self.render_chat(
+        prompt_ids = await self.preprocessor.encode_chat(
             request.messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
             chat_template_kwargs=request.chat_template_kwargs,
         )
-        prompt_ids = self.encode(prompt_text, add_special_tokens=False)
         max_tokens = self.check_prompt_length(len(prompt_ids), max_tokens, "messages")
         request_id = request.request_id or random_id("chatcmpl")
         if request.use_beam_search:

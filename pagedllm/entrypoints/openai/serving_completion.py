@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    context_length_error,
     error_from_exception,
 )
 from pagedllm.entrypoints.openai.streaming import (
@@ -63,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise OpenAIError("suffix is not supported.", param="suffix")
         self.check_request_modes(request)
-        prompts = self._prompts(request)
+        self.check_limits(request)
+        prompts = await self._prompts(request)
         aliases = self.param_aliases(request)
         base_id = request.request_id or random_id("cmpl")
         if request.use_beam_search:
@@ -163,7 +165,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------------ prompts
 
-    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        """The prompts as token ids; text prompts are tokenized on the tokenizer thread."""
         raw = request.prompt
         items: list[str | list[int]]
         if isinstance(raw, str):
@@ -175,20 +178,28 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             items = list(raw)  # type: ignore[arg-type]
         vocab_size = int(self.engine.engine.vocab_size)
-        prompts: list[_Prompt] = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(
-                    _Prompt(item, self.encode(item, add_special_tokens=request.add_special_tokens))
-                )
                 continue
+            if len(item) > self.max_model_len:
+                raise context_length_error(self.max_model_len, len(item), None, "prompt")
             bad = next((t for t in item if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise OpenAIError(
                     f"prompt contains out-of-vocab token id {bad} (vocab size {vocab_size}).", param="prompt"
                 )
-            prompts.append(_Prompt(None, list(item)))
-        return prompts
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(
+            await self.preprocessor.encode(
+                texts, add_special_tokens=request.add_special_tokens, param="prompt"
+            )
+            if texts
+            else []
+        )
+        return [
+            _Prompt(item, next(encoded)) if isinstance(item, str) else _Prompt(None, list(item))
+            for item in items
+        ]
 
     def _prompt_text(self, prompt: _Prompt, output: RequestOutput | None = None) -> str:
         if prompt.text is not None:

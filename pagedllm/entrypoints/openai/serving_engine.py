@@ -3,13 +3,10 @@ logprob formatting (streaming is in :mod:`pagedllm.entrypoints.openai.streaming`
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Iterable
 from typing import Any
-
-from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
@@ -17,13 +14,13 @@ from pagedllm.engine.async_engine import (
     QueueFullError,
     RequestAbortedError,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.limits import RequestLimits
+from pagedllm.entrypoints.openai.preprocess import Preprocessor
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbsContent,
-    ChatMessage,
     CompletionLogProbs,
-    ErrorInfo,
-    ErrorResponse,
     OpenAIBaseModel,
     PromptLogprob,
     PromptLogprobs,
@@ -53,34 +50,6 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {
     "use_beam_search",
     "length_penalty",
 }
-
-
-class OpenAIError(Exception):
-    """An error answered with OpenAI's error object and an HTTP status."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def to_body(self) -> ErrorResponse:
-        return ErrorResponse(
-            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        )
-
-    def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_body().model_dump(), status_code=self.status_code)
 
 
 def context_length_error(
@@ -138,23 +107,11 @@ def _finite(x: float) -> float:
     return max(x, -9999.0)
 
 
-def private_tokenizer(tokenizer: Any) -> Any:
-    """A copy of the engine's tokenizer for the event loop's thread.
-
-    The engine thread detokenizes with its own tokenizer while requests are tokenized here; a fast
-    tokenizer must not be used by two threads at once.
-    """
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception as exc:  # noqa: BLE001 - an uncopyable tokenizer is shared instead
-        logger.warning("Could not copy the tokenizer (%s); sharing the engine's.", exc)
-        return tokenizer
-
-
 class OpenAIServing:
     """Base of the endpoint handlers, bound to one engine and its served model names.
 
-    ``tokenizer`` (default: the engine's) is used on the event loop's thread only.
+    ``tokenizer`` (default: the engine's) is used on the event loop's thread only, to decode the
+    tokens of responses; requests are tokenized by ``preprocessor`` on its worker thread.
     """
 
     def __init__(
@@ -164,11 +121,19 @@ class OpenAIServing:
         *,
         max_logprobs: int = 20,
         tokenizer: Any = None,
+        preprocessor: Preprocessor | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_logprobs = max_logprobs
         self.tokenizer = tokenizer if tokenizer is not None else engine.engine.tokenizer
+        if preprocessor is None:
+            limits = RequestLimits().resolve(
+                max_model_len=self.max_model_len, vocab_size=int(engine.engine.vocab_size), max_num_seqs=None
+            )
+            preprocessor = Preprocessor(self.tokenizer, limits, trust_request_chat_template=False)
+        self.preprocessor = preprocessor
+        self.limits = preprocessor.limits
 
     @property
     def model_name(self) -> str:
@@ -197,58 +162,11 @@ class OpenAIServing:
         if not self.engine.is_running:
             raise error_from_exception(EngineDeadError(self.engine.dead_message()))
 
+    def check_limits(self, request: SamplingRequest) -> None:
+        """``n`` and the sizes of the request's lists, before anything is tokenized."""
+        self.limits.check_sampling(request, self.engine.max_queued_requests)
+
     # ------------------------------------------------------------------ prompts
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def render_chat(
-        self,
-        messages: list[ChatMessage],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> str:
-        """Render messages with the model's chat template (content parts are joined by newlines)."""
-        if not messages:
-            raise OpenAIError("messages must contain at least one message.", param="messages")
-        if add_generation_prompt and continue_final_message:
-            raise OpenAIError(
-                "continue_final_message and add_generation_prompt cannot both be true; set "
-                "add_generation_prompt to false to continue the final message.",
-                param="continue_final_message",
-            )
-        conversation: list[dict[str, Any]] = []
-        for i, msg in enumerate(messages):
-            content = msg.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise OpenAIError(
-                            f"Only text content parts are supported, got type {part.type!r}.",
-                            param=f"messages[{i}].content",
-                        )
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
-            if msg.name is not None:
-                entry["name"] = msg.name
-            conversation.append(entry)
-        tokenizer = self.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise OpenAIError("This model has no chat template; use /v1/completions.", param="messages")
-        kwargs = dict(chat_template_kwargs or {})
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
-        except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
-            raise OpenAIError(f"Could not apply the chat template: {exc}", param="messages") from None
-        return str(text)
 
     def check_prompt_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         """Resolve ``max_tokens`` (default: the rest of the context) and check the total fits."""

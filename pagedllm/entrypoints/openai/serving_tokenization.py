@@ -14,31 +14,29 @@ from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServin
 class OpenAIServingTokenization(OpenAIServing):
     """Tokenizes prompts and chat conversations exactly as the generation endpoints do."""
 
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_model(request.model)
         self.log_unknown_fields(request)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Exactly one of prompt and messages must be given.", param="prompt")
         if request.messages is not None:
-            text = self.render_chat(
+            tokens = await self.preprocessor.encode_chat(
                 request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
+                add_special_tokens=bool(request.add_special_tokens),
             )
-            tokens = self.encode(text, add_special_tokens=bool(request.add_special_tokens))
         else:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
-            tokens = self.encode(request.prompt or "", add_special_tokens=add_special)
+            (tokens,) = await self.preprocessor.encode(
+                [request.prompt or ""], add_special_tokens=add_special, param="prompt"
+            )
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
         self.log_unknown_fields(request)
-        vocab_size = int(self.engine.engine.vocab_size)
-        bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise OpenAIError(
-                f"tokens contains out-of-vocab token id {bad} (vocab size {vocab_size}).", param="tokens"
-            )
-        return DetokenizeResponse(prompt=str(self.tokenizer.decode(request.tokens)))
+        text = await self.preprocessor.decode(request.tokens, int(self.engine.engine.vocab_size))
+        return DetokenizeResponse(prompt=text)

@@ -1,0 +1,189 @@
+"""Flags of ``pagedllm serve`` that are not engine arguments, and the settings they make."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.openai.limits import (
+    DEFAULT_CHAT_TEMPLATE_TIMEOUT,
+    DEFAULT_MAX_BAD_WORDS,
+    DEFAULT_MAX_LOGIT_BIAS,
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    PROMPT_BYTES_PER_TOKEN,
+    RequestLimits,
+)
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    """Server options that are not engine arguments."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    max_logprobs: int = 20
+    # With an API key, /metrics needs it too unless this is set (for Prometheus scrapers).
+    metrics_without_auth: bool = False
+    # No /docs, /redoc or /openapi.json.
+    disable_fastapi_docs: bool = False
+    # Render chat templates sent by clients (template code of the client's choosing).
+    trust_request_chat_template: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pagedllm serve``: the server's own and every engine argument."""
+    parser.add_argument(
+        "model", nargs="?", default=None, help="Model path or name (default: the default model)."
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000).")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="Require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV} if set).",
+    )
+    parser.add_argument(
+        "--metrics-without-auth",
+        action="store_true",
+        help="Serve /metrics without the API key (for Prometheus scrapers).",
+    )
+    parser.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="Do not serve /docs, /redoc or /openapi.json.",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept chat templates sent in requests (chat_template, chat_template_kwargs.chat_template). "
+        "Clients then run template code of their choosing on the server (sandboxed and bounded in time "
+        "and size, but able to cost CPU time); refused with 400 by default.",
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=DEFAULT_CHAT_TEMPLATE_TIMEOUT,
+        help="Seconds a chat template may take to render before the request is refused with 400 "
+        f"(default {DEFAULT_CHAT_TEMPLATE_TIMEOUT:g}).",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="Refuse a request with 503 when its n sequences would make more than this many wait to be "
+        "scheduled, and one with n above it with 400 (default: no limit).",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds to let in-flight requests finish after SIGTERM before aborting them (default 30).",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="Refuse larger request bodies with 413 (default 16 MiB).",
+    )
+    parser.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=None,
+        help="Refuse a text prompt, or a chat's messages, longer than this many UTF-8 bytes with 400 before "
+        f"tokenizing it; also bounds a rendered chat template (default {PROMPT_BYTES_PER_TOKEN} x max_model_len).",
+    )
+    parser.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=DEFAULT_MAX_STOP_STRINGS,
+        help=f"Most entries of stop, and of stop_token_ids, per request (default {DEFAULT_MAX_STOP_STRINGS}).",
+    )
+    parser.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=DEFAULT_MAX_STOP_STRING_CHARS,
+        help="Longest stop string, and longest bad word, in characters "
+        f"(default {DEFAULT_MAX_STOP_STRING_CHARS}).",
+    )
+    parser.add_argument(
+        "--max-logit-bias",
+        type=int,
+        default=DEFAULT_MAX_LOGIT_BIAS,
+        help=f"Most logit_bias entries per request (default {DEFAULT_MAX_LOGIT_BIAS}).",
+    )
+    parser.add_argument(
+        "--max-allowed-token-ids",
+        type=int,
+        default=None,
+        help="Most allowed_token_ids per request (default: the vocabulary size).",
+    )
+    parser.add_argument(
+        "--max-bad-words",
+        type=int,
+        default=DEFAULT_MAX_BAD_WORDS,
+        help=f"Most bad_words per request (default {DEFAULT_MAX_BAD_WORDS}).",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="Log level of the server and the engine (default info).",
+    )
+    EngineConfig.add_cli_args(parser, with_model=False)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first problem with the server's flags, or None."""
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}."
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        return f"--max-queued-requests must be non-negative, got {args.max_queued_requests}."
+    if args.shutdown_timeout < 0:
+        return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}."
+    if not args.chat_template_timeout > 0:
+        return f"--chat-template-timeout must be positive, got {args.chat_template_timeout}."
+    for name in (
+        "max_request_body_bytes",
+        "max_prompt_bytes",
+        "max_stop_strings",
+        "max_stop_string_chars",
+        "max_logit_bias",
+        "max_allowed_token_ids",
+        "max_bad_words",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be positive, got {value}."
+    return None
+
+
+def settings_from_args(args: argparse.Namespace, served_model_name: str, max_logprobs: int) -> ServerSettings:
+    return ServerSettings(
+        served_model_names=[served_model_name],
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        max_logprobs=max_logprobs,
+        metrics_without_auth=args.metrics_without_auth,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        trust_request_chat_template=args.trust_request_chat_template,
+        limits=RequestLimits(
+            max_prompt_bytes=args.max_prompt_bytes,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_chars,
+            max_logit_bias=args.max_logit_bias,
+            max_allowed_token_ids=args.max_allowed_token_ids,
+            max_bad_words=args.max_bad_words,
+            chat_template_timeout=args.chat_template_timeout,
+        ),
+    )

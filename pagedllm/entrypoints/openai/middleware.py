@@ -1,0 +1,181 @@
+"""The HTTP layer around the routes: draining, the body-size limit and the API key (one ASGI
+middleware), OpenAI error objects for every error, and an OpenAPI document that says so."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.cli_args import ServerSettings
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.protocol import ErrorResponse
+from pagedllm.entrypoints.openai.serving_engine import error_from_exception
+
+_UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
+
+
+@dataclass
+class ServerState:
+    """Mutable server state shared by the middleware, the routes and the shutdown logic."""
+
+    draining: bool = False
+    in_flight: int = 0
+
+
+def shutting_down() -> OpenAIError:
+    return OpenAIError(
+        "The server is shutting down.", status_code=503, type="server_error", code="shutting_down"
+    )
+
+
+class GuardMiddleware:
+    """Refuses requests while draining, enforces the body size limit and the API key (on every path
+    but ``/health``, and ``/metrics`` with ``metrics_without_auth``), and counts the requests in flight."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, state: ServerState) -> None:
+        self.app = app
+        self.settings = settings
+        self.state = state
+        self.open_paths = frozenset({"/health", *(["/metrics"] if settings.metrics_without_auth else [])})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if self.state.draining and path != "/metrics":
+            await shutting_down().to_response()(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        limit = self.settings.max_request_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _body_too_large(limit).to_response()(scope, receive, send)
+            return
+        key = self.settings.api_key
+        if key and path not in self.open_paths:
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                error = OpenAIError(
+                    "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                    status_code=401,
+                    param=None,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.to_response()(scope, receive, send)
+                return
+
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise StarletteHTTPException(status_code=413, detail=_body_too_large(limit).message)
+            return message
+
+        counted = path not in _UNCOUNTED_PATHS
+        if counted:
+            self.state.in_flight += 1
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            if counted:
+                self.state.in_flight -= 1
+
+
+def _body_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        f"The request body exceeds the limit of {limit} bytes.", status_code=413, code="request_too_large"
+    )
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """A 400 naming the first invalid top-level field of the body."""
+    errors = list(exc.errors())
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return OpenAIError(f"The request body is not valid JSON: {detail}.", param=None)
+    param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" else None
+    parts = []
+    for e in errors[:3]:
+        where = ".".join(str(x) for x in tuple(e.get("loc", ()))[1:]) or "body"
+        parts.append(f"{where}: {e.get('msg', 'invalid value')}")
+    if len(errors) > 3:
+        parts.append(f"and {len(errors) - 3} more errors")
+    return OpenAIError("Invalid request: " + "; ".join(parts), param=param)
+
+
+async def _openai_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OpenAIError)
+    return exc.to_response()
+
+
+async def _request_validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc).to_response()
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    # Starlette's headers (the Allow header of a 405) are kept.
+    return OpenAIError(
+        str(exc.detail), status_code=exc.status_code, type=kind, code=code, headers=exc.headers
+    ).to_response()
+
+
+async def _internal_error(_: Request, exc: Exception) -> Response:
+    return error_from_exception(exc).to_response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error, including FastAPI's validation errors (400, not 422), as an OpenAI error object."""
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _request_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.openapi = _openapi_with_openai_errors(app.openapi)  # type: ignore[method-assign]
+
+
+_ERROR_REF = "#/components/schemas/ErrorResponse"
+
+
+def _openapi_with_openai_errors(generate: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """FastAPI documents its validation errors as 422 with its own schema; this server answers them
+    with 400 and an OpenAI error object, so the document says that instead."""
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        if "ErrorResponse" not in schemas:
+            error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(error.pop("$defs", {}))
+            schemas["ErrorResponse"] = error
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = {
+                        "description": "Invalid request: an OpenAI error object naming the field.",
+                        "content": {"application/json": {"schema": {"$ref": _ERROR_REF}}},
+                    }
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        return schema
+
+    return openapi
