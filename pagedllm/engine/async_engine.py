@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -162,12 +162,16 @@ class AsyncLLMEngine:
         metrics: EngineMetrics | None = None,
         log_stats_interval: float | None = 5.0,
         grammar_compile_timeout: float = 10.0,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be non-negative, got {max_queued_requests}.")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.grammar_compile_timeout = grammar_compile_timeout
+        # Called from the engine thread after a failure has been reported to every request.
+        self.on_death = on_death
+        self.failure: BaseException | None = None  # what stopped the engine thread, if it failed
         self.metrics = metrics
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -399,7 +403,10 @@ class AsyncLLMEngine:
                 self._record_stats(log=True)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting callers
             logger.exception("The engine loop failed; no further requests can be served.")
+            self.failure = exc
             self._fail_everything(exc)
+            if self.on_death is not None:
+                self.on_death(exc)
             return
         self._fail_everything(None)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from pagedllm.structured import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
+
+# Environment variable naming an engine step that fails on purpose (for tests of engine death).
+FAULT_INJECTION_ENV = "PAGEDLLM_INJECT_FAULT_AT_STEP"
 
 
 def _freeze_startup_objects() -> None:
@@ -89,6 +93,8 @@ class LLMEngine:
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
         self._in_flight: LaunchedStep | None = None
+        # Test hook: the N-th step raises inside its launch, as a failing forward would.
+        self._fault_at_step = int(os.environ.get(FAULT_INJECTION_ENV) or 0)
         num_blocks = executor.num_kv_blocks
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -231,6 +237,8 @@ class LLMEngine:
         times.steps += 1
         times.schedule += time.perf_counter() - started
         try:
+            if times.steps == self._fault_at_step:
+                raise RuntimeError(f"injected fault at step {times.steps} ({FAULT_INJECTION_ENV})")
             rows, sampled = self.executor.launch(scheduler_output, times)
         except BaseException:
             self.kv_cache_manager.uncache(

@@ -531,3 +531,39 @@ def test_method_not_allowed_keeps_allow_header(server: RemoteServer) -> None:
         assert _assert_error(r, 405, None)["code"] == "method_not_allowed"
         assert allowed in r.headers["allow"], (method, path, r.headers)
     server.wait_idle()
+
+
+def test_client_request_ids_are_echoed_and_never_collide(server: RemoteServer) -> None:
+    """A request "X" with n = 2 and a request "0_X" (whose id equals X's first sequence's), and the
+    same id from two clients at once: all are served, each response echoes its client's id."""
+
+    def chat(body: dict[str, Any], out: list[httpx.Response]) -> None:
+        out.append(server.post("/v1/chat/completions", json={"model": MODEL, **body}, timeout=120))
+
+    story = {
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "n": 2,
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "request_id": "X",
+    }
+    bodies = [
+        story,
+        {"messages": USER, "max_tokens": 10, "request_id": "0_X"},
+        {"messages": USER, "max_tokens": 10, "request_id": "same"},
+        {"messages": USER, "max_tokens": 12, "request_id": "same"},
+    ]
+    results: list[list[httpx.Response]] = [[] for _ in bodies]
+    threads = [threading.Thread(target=chat, args=(b, r)) for b, r in zip(bodies, results, strict=True)]
+    threads[0].start()
+    time.sleep(0.5)  # X is running when the others arrive
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    responses = [r[0] for r in results]
+    assert [r.status_code for r in responses] == [200, 200, 200, 200], [r.text for r in responses]
+    assert [r.json()["id"] for r in responses] == ["X", "0_X", "same", "same"]
+    assert len(responses[0].json()["choices"]) == 2
+    assert server.get("/health").status_code == 200
+    server.wait_idle()

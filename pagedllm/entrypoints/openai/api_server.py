@@ -11,6 +11,10 @@ threads (:mod:`pagedllm.entrypoints.openai.preprocess`), within the limits of
 On SIGTERM (or a first Ctrl+C) the server drains: new requests and ``/health`` get 503 while requests
 in flight run to completion for up to ``--shutdown-timeout`` seconds; whatever is left is then
 aborted and the process exits with status 0. A second Ctrl+C exits at once.
+
+If the engine dies (an exception in a step), every request in flight gets an error at once, new
+requests and ``/health`` get 503 naming the cause, and a second later the process exits with
+status 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -276,6 +280,20 @@ class GracefulServer(uvicorn.Server):
         self.state.draining = True
         self._loop.call_soon_threadsafe(self._start_drain)
 
+    def stop_after_engine_death(self, exc: BaseException, grace_s: float = 1.0) -> None:
+        """Exit ``grace_s`` seconds after the engine died (thread-safe): the requests in flight get
+        their errors first; the process then exits non-zero so that a supervisor restarts it."""
+        logger.error("The engine died (%r): the server exits in %.1f s.", exc, grace_s)
+        loop = self._loop
+        if loop is None:
+            self.should_exit = True
+            return
+
+        def stop() -> None:
+            self.should_exit = True
+
+        loop.call_soon_threadsafe(loop.call_later, grace_s, stop)
+
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())
 
@@ -326,7 +344,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     served_name = config.served_model_name or str(llm_engine.model_name)
     metrics = EngineMetrics(served_name)
-    engine = AsyncLLMEngine(llm_engine, max_queued_requests=args.max_queued_requests, metrics=metrics)
+    server: GracefulServer | None = None
+
+    def engine_died(exc: BaseException) -> None:
+        # From the engine thread: let the failed requests' responses go out, then exit non-zero.
+        if server is not None:
+            server.stop_after_engine_death(exc)
+
+    engine = AsyncLLMEngine(
+        llm_engine, max_queued_requests=args.max_queued_requests, metrics=metrics, on_death=engine_died
+    )
     settings = settings_from_args(args, served_name, config.max_logprobs)
     state = ServerState()
     app = build_app(engine, settings, metrics, state)
@@ -348,5 +375,8 @@ def run(args: argparse.Namespace) -> int:
     )
     server.run()
     engine.shutdown()
+    if engine.failure is not None:
+        logger.error("Server stopped because the engine failed: %r", engine.failure)
+        return 1
     logger.info("Server stopped.")
     return 0

@@ -88,7 +88,10 @@ class OpenAIServingChat(OpenAIServing):
             chat_template_kwargs=request.chat_template_kwargs,
         )
         max_tokens = self.check_prompt_length(len(prompt_ids), max_tokens, "messages")
+        # The response echoes the client's id; the engine keys the request by one of its own, so two
+        # clients sending the same id never collide.
         request_id = request.request_id or random_id("chatcmpl")
+        engine_id = random_id("chatcmpl")
         if request.use_beam_search:
             return await self._beam_search(request, raw_request, request_id, prompt_ids, max_tokens, aliases)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
@@ -101,26 +104,26 @@ class OpenAIServingChat(OpenAIServing):
         )
 
         try:
-            outputs = await self.engine.add_request(request_id, prompt_ids, params)
+            outputs = await self.engine.add_request(engine_id, prompt_ids, params)
         except Exception as exc:
-            self.engine.abort(request_id)
+            self.engine.abort(engine_id)
             raise error_from_exception(exc, aliases) from None
         except BaseException:
-            self.engine.abort(request_id)
+            self.engine.abort(engine_id)
             raise
 
         created = int(time.time())
         if request.stream:
             return SSEResponse(
                 self._stream(request, request_id, created, params, len(prompt_ids), outputs),
-                on_close=lambda: self.engine.abort(request_id),
+                on_close=lambda: self.engine.abort(engine_id),
             )
         try:
             completed, final = await run_until_disconnected(raw_request, self._collect(outputs))
         except Exception as exc:
             raise error_from_exception(exc, aliases) from None
         finally:
-            self.engine.abort(request_id)
+            self.engine.abort(engine_id)
         if not completed or final is None:
             return Response(status_code=499)
         return JSONResponse(self._response(request, request_id, created, final).model_dump())
@@ -139,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("logprobs cannot be combined with use_beam_search.", param="logprobs")
         created = int(time.time())
         search = self.beam_search(
-            request, [(None, prompt_ids)], max_tokens=max_tokens, request_id=request_id, aliases=aliases
+            request, [(None, prompt_ids)], max_tokens=max_tokens, request_id=random_id("chatcmpl"), aliases=aliases
         )
         completed, outputs = await run_until_disconnected(raw_request, search)
         if not completed or outputs is None:

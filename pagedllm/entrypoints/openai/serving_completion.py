@@ -87,7 +87,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
             )
 
-        request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        # The response echoes the client's id; the engine keys each prompt by an id of its own.
+        engine_base = random_id("cmpl")
+        request_ids = [f"{engine_base}-{i}" for i in range(len(prompts))]
         iterators: list[AsyncIterator[RequestOutput]] = []
         try:
             for rid, p, sp in zip(request_ids, prompts, params, strict=True):
@@ -135,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request,
             [(p.text, p.token_ids) for p in prompts],
             max_tokens=max_tokens,
-            request_id=request_id,
+            request_id=random_id("cmpl"),
             aliases=aliases,
         )
         completed, outputs = await run_until_disconnected(raw_request, search)
