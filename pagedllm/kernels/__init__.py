@@ -4,8 +4,9 @@
   product, fused RMSNorm / SiLU-and-mul / rotary, the sampler's row max and log-sum-exp, softmax rows,
   and all decoder layers of a decode step in one call).
 * ``cpu/``: :mod:`~pagedllm.kernels.cpu.library` builds ``csrc/`` with the system C compiler and loads
-  it; :mod:`~pagedllm.kernels.cpu.ops`, :mod:`~pagedllm.kernels.cpu.attention` and
-  :mod:`~pagedllm.kernels.cpu.linear` wrap its functions for torch tensors.
+  it; :mod:`~pagedllm.kernels.cpu.ops`, :mod:`~pagedllm.kernels.cpu.attention`,
+  :mod:`~pagedllm.kernels.cpu.linear` and :mod:`~pagedllm.kernels.cpu.decode_layers` wrap its
+  functions for torch tensors.
 * ``triton/``: :mod:`~pagedllm.kernels.triton.launch` (compiled, interpreted and ahead-of-time
   launches), the KV write (:mod:`~pagedllm.kernels.triton.kv_write`), paged attention
   (:mod:`~pagedllm.kernels.triton.attention`), fused norms and activations

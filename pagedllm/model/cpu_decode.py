@@ -12,13 +12,12 @@ cover, take the Python forward; ``enforce_eager`` turns it off, as it does CUDA 
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.kernels.cpu.library import kernels_available, load_library
+from pagedllm.kernels.cpu.decode_layers import DecodeLayersKernel, DecodeLayerTensors, DecodeShape
+from pagedllm.kernels.cpu.library import kernels_available
 from pagedllm.kernels.cpu.linear import PanelLinear
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
 
@@ -63,81 +62,56 @@ def _panels(module: nn.Module) -> PanelLinear:
 class NativeDecodeLayers:
     """The decoder layers and final norm of ``model`` for steps whose every row is a decode.
 
-    Holds pointers into the model's parameters, its panel weights and ``kv_caches`` (per layer
-    ``(k, v)``, each ``[num_blocks, block_size, kv_heads, head_dim]`` contiguous): those tensors must
-    stay alive and in place for as long as this object is used.
+    Gathers the model's parameters, its panel weights and ``kv_caches`` (per layer ``(k, v)``, each
+    ``[num_blocks, block_size, kv_heads, head_dim]`` contiguous) for
+    :class:`~pagedllm.kernels.cpu.decode_layers.DecodeLayersKernel`: those tensors must stay alive
+    and in place for as long as this object is used.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         cfg = model.config
         self.model = model
-        self.num_layers = cfg.num_hidden_layers
-        self.hidden = cfg.hidden_size
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.intermediate = cfg.intermediate_size
-        self.eps = float(model.norm.eps)
         layers = _decoder_layers(model)
-        self.scale = float(layers[0].self_attn.scale)
-        self.block_size = kv_caches[0][0].shape[1]
-        rotary = model.rotary
-        if not (rotary.cos_cache.is_contiguous() and rotary.sin_cache.is_contiguous()):
-            raise ValueError("rotary tables must be contiguous.")
-        if rotary.cos_cache.dtype != torch.float32:
-            raise ValueError("rotary tables must be float32.")
-
-        def ptr(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
-            if not t.is_contiguous():
-                raise ValueError("native decode needs contiguous weights and caches.")
-            return t.data_ptr()
-
-        fields: list[list[int | None]] = [[] for _ in range(9)]
+        tensors = []
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             qkv, o, gate_up, down = (_panels(m) for m in _linears(layer))
-            for i, t in enumerate(
-                (
-                    layer.input_layernorm.weight,
-                    qkv.panels,
-                    qkv.bias,
-                    o.panels,
-                    layer.post_attention_layernorm.weight,
-                    gate_up.panels,
-                    down.panels,
-                    k_cache,
-                    v_cache,
+            tensors.append(
+                DecodeLayerTensors(
+                    input_norm=layer.input_layernorm.weight,
+                    qkv_panels=qkv.panels,
+                    qkv_bias=qkv.bias,
+                    o_panels=o.panels,
+                    post_attention_norm=layer.post_attention_layernorm.weight,
+                    gate_up_panels=gate_up.panels,
+                    down_panels=down.panels,
+                    k_cache=k_cache,
+                    v_cache=v_cache,
                 )
-            ):
-                fields[i].append(ptr(t))
-        flat = [p for field in fields for p in field]  # field-major, as the C side indexes them
-        self._layer_ptrs = (ctypes.c_void_p * len(flat))(*flat)
-        self._final_norm = model.norm.weight
+            )
+        shape = DecodeShape(
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            eps=float(model.norm.eps),
+            scale=float(layers[0].self_attn.scale),
+            block_size=kv_caches[0][0].shape[1],
+        )
+        self.kernel = DecodeLayersKernel(tensors, model.norm.weight, shape)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token (all decodes)."""
-        x = self.model.embed_tokens(input_ids)
-        rows = x.shape[0]
-        out = torch.empty(rows, self.hidden, dtype=torch.float32)
-        if rows == 0:
-            return out
         rotary = self.model.rotary
-        # Held in locals so that any converted copy outlives the call.
-        positions = positions.to(torch.int64).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tables = meta.block_tables.contiguous()
-        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
-        rc = load_library().llama_decode_layers_f32(
-            self.num_layers, self._layer_ptrs, self._final_norm.data_ptr(),
-            x.data_ptr(), out.data_ptr(), rows, self.hidden, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.intermediate, self.eps, self.scale,
-            positions.data_ptr(), rotary.cos_cache.data_ptr(), rotary.sin_cache.data_ptr(),
-            slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-            meta.max_seq_len, self.block_size,
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("native decode layers: out of memory for scratch buffers.")
-        return out
+        return self.kernel(
+            self.model.embed_tokens(input_ids),
+            positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.max_seq_len,
+        )
