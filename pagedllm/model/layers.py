@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels.cpu import ops as layers_cpu
-from pagedllm.kernels.triton import elementwise as layers_triton
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.triton import elementwise as triton_elementwise
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layers_triton.rms_norm(x, self.weight, self.eps)
+        return triton_elementwise.rms_norm(x, self.weight, self.eps)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the pre-norm block's add-then-normalise."""
-        return layers_triton.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return triton_elementwise.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -70,7 +70,7 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: torch.Tensor) -> RotaryTables:
         """What rotating ``positions`` needs, prepared once per forward and shared by every layer."""
-        if layers_cpu.usable(self.cos_cache) and positions.device.type == "cpu":
+        if cpu_ops.usable(self.cos_cache) and positions.device.type == "cpu":
             return RotaryTables(positions, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions]
         sin = self.sin_cache[positions]
@@ -94,8 +94,8 @@ class RotaryTables:
         Equal to HF's ``x * cos + rotate_half(x) * sin``, computed in float32. On the native CPU path
         ``x`` is rotated in place (callers pass projection outputs they own).
         """
-        if self.full is None and x.stride(-1) == 1 and layers_cpu.usable(x):
-            return layers_cpu.rotary_(x, self.positions, self.cos_cache, self.sin_cache)
+        if self.full is None and x.stride(-1) == 1 and cpu_ops.usable(x):
+            return cpu_ops.rotary_(x, self.positions, self.cos_cache, self.sin_cache)
         if self.full is None:
             cos = self.cos_cache[self.positions]
             sin = self.sin_cache[self.positions]
@@ -108,4 +108,4 @@ class RotaryTables:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where ``x = [gate, up]`` along the last dimension."""
-    return layers_triton.silu_and_mul(x)
+    return triton_elementwise.silu_and_mul(x)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.kernels.cpu import ops as layers_cpu
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.outputs import Logprob
 from pagedllm.sample.logits_processors import apply_logits_processors, index_tensor, needs_logits_processing
 from pagedllm.sample.penalties import device_tensor
@@ -286,8 +286,8 @@ class Sampler:
         raw = logits.float()  # the caller's tensor when already float32: never written to
 
         raw_max: torch.Tensor | None = None
-        if layers_cpu.usable(raw):
-            raw_max, raw_argmax, raw_logsumexp = layers_cpu.max_logsumexp(raw)
+        if cpu_ops.usable(raw):
+            raw_max, raw_argmax, raw_logsumexp = cpu_ops.max_logsumexp(raw)
         else:
             raw_logsumexp = torch.logsumexp(raw, dim=-1)
         if any(needs_logits_processing(batch, i) for i in range(num_rows)):

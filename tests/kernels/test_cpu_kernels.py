@@ -17,7 +17,7 @@ from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
 from pagedllm.kernels.cpu import linear as cpu_linear
-from pagedllm.kernels.cpu import ops as layers_cpu
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.attention import paged_decode_attention, paged_prefill_attention
 from pagedllm.kernels.cpu.library import kernels_available, load_library
 from pagedllm.kernels.cpu.linear import PanelLinear, optimize_cpu_linears
@@ -258,7 +258,7 @@ def test_native_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
     x = wide[:, 50:626]  # rows strided wider than the hidden size
     residual = torch.randn(rows, 576, generator=gen) if with_residual else None
     weight = torch.randn(576, generator=gen)
-    out, summed = layers_cpu.rms_norm(x, weight, 1e-5, residual)
+    out, summed = cpu_ops.rms_norm(x, weight, 1e-5, residual)
     expected_sum = x + residual if residual is not None else x
     torch.testing.assert_close(out, rms_norm_torch(expected_sum, weight, 1e-5), atol=1e-5, rtol=1e-5)
     if residual is None:
@@ -267,7 +267,7 @@ def test_native_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
         assert summed is not None and torch.equal(summed, expected_sum)
     # 3-D input (per-head norms of Qwen3).
     x3 = torch.randn(rows, 4, 64, generator=gen)
-    out3, _ = layers_cpu.rms_norm(x3, weight[:64], 1e-6)
+    out3, _ = cpu_ops.rms_norm(x3, weight[:64], 1e-6)
     torch.testing.assert_close(out3, rms_norm_torch(x3, weight[:64], 1e-6), atol=1e-5, rtol=1e-5)
 
 
@@ -275,7 +275,7 @@ def test_native_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
 @pytest.mark.parametrize("rows", [1, 33])
 def test_native_silu_and_mul_matches_torch(rows: int) -> None:
     x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
-    torch.testing.assert_close(layers_cpu.silu_and_mul(x), silu_and_mul_torch(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), silu_and_mul_torch(x), atol=1e-5, rtol=1e-5)
 
 
 @needs_kernels
@@ -306,7 +306,7 @@ def test_native_max_logsumexp_matches_torch() -> None:
     x[1, ::3] = float("-inf")  # masked tokens
     x[2] = float("-inf")  # a row with nothing left
     x[3, [10, 20]] = 1e4  # a tie: the first index wins
-    best, index, lse = layers_cpu.max_logsumexp(x[:, :49000])  # strided rows
+    best, index, lse = cpu_ops.max_logsumexp(x[:, :49000])  # strided rows
     ref_best, ref_index = x[:, :49000].max(dim=-1)
     assert torch.equal(best, ref_best)
     assert index.tolist()[3] == 10

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.cpu import ops as layers_cpu
+from pagedllm.kernels.cpu import ops as cpu_ops
 
 try:
     import triton
@@ -149,8 +149,8 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dimension of ``x`` (any leading shape)."""
     if x.numel() == 0 or not _use_triton(x, use_triton):
-        if x.numel() and layers_cpu.usable(x, weight):
-            return layers_cpu.rms_norm(x, weight, eps)[0]
+        if x.numel() and cpu_ops.usable(x, weight):
+            return cpu_ops.rms_norm(x, weight, eps)[0]
         return rms_norm_torch(x, weight, eps)
     out, _ = _norm_launch(x, None, weight, eps)
     return out
@@ -166,8 +166,8 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` - the pre-norm block's add-then-normalise."""
     if x.numel() == 0 or not _use_triton(x, use_triton):
-        if x.numel() and layers_cpu.usable(x, residual, weight):
-            out, summed = layers_cpu.rms_norm(x, weight, eps, residual)
+        if x.numel() and cpu_ops.usable(x, residual, weight):
+            out, summed = cpu_ops.rms_norm(x, weight, eps, residual)
             assert summed is not None
             return out, summed
         summed = x + residual
@@ -180,8 +180,8 @@ def fused_add_rms_norm(
 def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
     """``silu(gate) * up`` where ``x = [gate, up]`` along the last dimension."""
     if x.numel() == 0 or not _use_triton(x, use_triton):
-        if x.numel() and layers_cpu.usable(x):
-            return layers_cpu.silu_and_mul(x)
+        if x.numel() and cpu_ops.usable(x):
+            return cpu_ops.silu_and_mul(x)
         return silu_and_mul_torch(x)
     from pagedllm.kernels.triton.launch import launch
 
