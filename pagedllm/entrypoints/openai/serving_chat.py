@@ -142,7 +142,11 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("logprobs cannot be combined with use_beam_search.", param="logprobs")
         created = int(time.time())
         search = self.beam_search(
-            request, [(None, prompt_ids)], max_tokens=max_tokens, request_id=random_id("chatcmpl"), aliases=aliases
+            request,
+            [(None, prompt_ids)],
+            max_tokens=max_tokens,
+            request_id=random_id("chatcmpl"),
+            aliases=aliases,
         )
         completed, outputs = await run_until_disconnected(raw_request, search)
         if not completed or outputs is None:
