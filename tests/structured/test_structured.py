@@ -216,11 +216,9 @@ def test_unconstrained_rows_unaffected(default_llm: Any, mixed_outputs: dict[str
         (_so(grammar="root ::= item\n"), "structured_outputs.grammar.*item"),
     ],
 )
-def test_invalid_constraint_raises(
-    default_llm: Any, scheduler_output: StructuredOutputsParams, match: str
-) -> None:
+def test_invalid_constraint_raises(default_llm: Any, so: StructuredOutputsParams, match: str) -> None:
     good = SamplingParams(max_tokens=4)
-    bad = SamplingParams(max_tokens=4, structured_outputs=scheduler_output)
+    bad = SamplingParams(max_tokens=4, structured_outputs=so)
     with pytest.raises(ValueError, match=match):
         default_llm.generate(["Hello", "Hello"], [good, bad], use_tqdm=False)
     default_llm.llm_engine.check_idle()
