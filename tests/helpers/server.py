@@ -116,6 +116,12 @@ class RemoteServer:
                 self.proc.wait(10)
         self._log.close()
 
+    @property
+    def pid(self) -> int:
+        """The server process's id (for psutil: its memory, its children)."""
+        assert self.proc is not None, "the server was not started"
+        return self.proc.pid
+
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()
         text = Path(self._log.name).read_text(errors="replace")

@@ -32,7 +32,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
@@ -47,19 +47,27 @@ from pagedllm.entrypoints.openai.cli_args import (
 )
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.middleware import (
+    GENERATION_ERRORS,
+    HEALTH_ERRORS,
+    MODEL_ERRORS,
     GuardMiddleware,
     ServerState,
     install_error_handlers,
+    route_responses,
     shutting_down,
 )
 from pagedllm.entrypoints.openai.preprocess import Preprocessor, private_tokenizer
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
     VersionResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -119,17 +127,19 @@ def _serving(request: Request) -> Serving:
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=route_responses(CompletionResponse, GENERATION_ERRORS, stream=True))
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     return await _serving(raw_request).completion.create_completion(request, raw_request)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions", responses=route_responses(ChatCompletionResponse, GENERATION_ERRORS, stream=True)
+)
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return await _serving(raw_request).chat.create_chat_completion(request, raw_request)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=route_responses(ModelList))
 async def list_models(raw_request: Request) -> Response:
     serving = _serving(raw_request)
     root = str(serving.engine.engine.model_name)
@@ -140,7 +150,7 @@ async def list_models(raw_request: Request) -> Response:
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses=route_responses(None, HEALTH_ERRORS))
 async def health(raw_request: Request) -> Response:
     serving = _serving(raw_request)
     if serving.state.draining:
@@ -150,25 +160,25 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus_metrics(raw_request: Request) -> Response:
     metrics = _serving(raw_request).metrics
     body = metrics.render() if metrics is not None else b""
     return Response(body, media_type=CONTENT_TYPE)
 
 
-@router.get("/version")
+@router.get("/version", responses=route_responses(VersionResponse))
 async def version() -> Response:
     return JSONResponse(VersionResponse(version=server_version()).model_dump())
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=route_responses(TokenizeResponse, MODEL_ERRORS))
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     response = await _serving(raw_request).tokenization.tokenize(request)
     return JSONResponse(response.model_dump())
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=route_responses(DetokenizeResponse, MODEL_ERRORS))
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     response = await _serving(raw_request).tokenization.detokenize(request)
     return JSONResponse(response.model_dump())

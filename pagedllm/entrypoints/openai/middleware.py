@@ -4,13 +4,14 @@ middleware), OpenAI error objects for every error, and an OpenAPI document that 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -101,14 +102,21 @@ def _body_too_large(limit: int) -> OpenAIError:
     )
 
 
-def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """A 400 naming the first invalid top-level field of the body."""
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> OpenAIError:
+    """A 400 naming the first invalid top-level field of the body (``content_type``: the request's,
+    named when a body that is not declared JSON was not read)."""
     errors = list(exc.errors())
     first = errors[0] if errors else {}
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "invalid JSON")
         return OpenAIError(f"The request body is not valid JSON: {detail}.", param=None)
+    if loc == ("body",) and not _is_json(content_type):
+        return OpenAIError(
+            "The request body must be a JSON object sent with 'Content-Type: application/json', got "
+            f"Content-Type {(content_type or 'none')[:100]!r}.",
+            param=None,
+        )
     param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" else None
     parts = []
     for e in errors[:3]:
@@ -124,9 +132,16 @@ async def _openai_error(_: Request, exc: Exception) -> Response:
     return exc.to_response()
 
 
-async def _request_validation_error(_: Request, exc: Exception) -> Response:
+def _is_json(content_type: str | None) -> bool:
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
+
+
+async def _request_validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(exc).to_response()
+    return validation_error(exc, request.headers.get("content-type")).to_response()
 
 
 async def _http_error(_: Request, exc: Exception) -> Response:
@@ -154,6 +169,41 @@ def install_error_handlers(app: FastAPI) -> None:
 
 _ERROR_REF = "#/components/schemas/ErrorResponse"
 
+# What the guard answers on any route, for the OpenAPI document (see GuardMiddleware).
+_GUARD_ERRORS = {
+    "401": "A missing or wrong API key (with --api-key: every route but /health, and /metrics unless "
+    "--metrics-without-auth).",
+    "413": "The request body is larger than --max-request-body-bytes.",
+    "503": "The server is shutting down (code shutting_down).",
+}
+# The errors of the routes, besides the guard's, for their OpenAPI document.
+MODEL_ERRORS = {404: "The model does not exist (code model_not_found)."}
+GENERATION_ERRORS = {
+    **MODEL_ERRORS,
+    500: "The engine failed while serving the request (code engine_dead), or an internal error.",
+    503: "The queue of waiting sequences is full (queue_full), the engine has stopped (engine_dead) or "
+    "the server is shutting down (shutting_down).",
+}
+HEALTH_ERRORS = {503: "The engine has stopped (engine_dead) or the server is shutting down (shutting_down)."}
+
+
+def route_responses(
+    ok: type[BaseModel] | None = None, errors: Mapping[int, str] | None = None, *, stream: bool = False
+) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` argument of a route, for the OpenAPI document: its 200 body (``ok``; with
+    ``stream``, server-sent events too) and its errors, each an OpenAI error object."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    if ok is not None:
+        responses[200] = {"model": ok, "description": "Successful response."}
+        if stream:
+            responses[200]["description"] = (
+                "The response; with stream true, server-sent events of its chunks."
+            )
+            responses[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    for status, description in (errors or {}).items():
+        responses[status] = {"model": ErrorResponse, "description": description}
+    return responses
+
 
 def _openapi_with_openai_errors(generate: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
     """FastAPI documents its validation errors as 422 with its own schema; this server answers them
@@ -174,6 +224,23 @@ def _openapi_with_openai_errors(generate: Callable[[], dict[str, Any]]) -> Calla
                         "description": "Invalid request: an OpenAI error object naming the field.",
                         "content": {"application/json": {"schema": {"$ref": _ERROR_REF}}},
                     }
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                for status, description in _GUARD_ERRORS.items():
+                    if (
+                        (status == "401" and path == "/health")
+                        or (status == "413" and "requestBody" not in operation)
+                        or (status == "503" and path == "/metrics")
+                    ):
+                        continue
+                    responses.setdefault(
+                        status,
+                        {
+                            "description": description,
+                            "content": {"application/json": {"schema": {"$ref": _ERROR_REF}}},
+                        },
+                    )
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
         return schema

@@ -1,13 +1,18 @@
 """Request and response models of the OpenAI-compatible API (OpenAI fields plus vLLM's extras).
 
 Request models accept unknown fields (``extra="allow"``) so that clients sending newer OpenAI fields
-are not refused; the server logs and ignores them (see :attr:`OpenAIBaseModel.unknown_fields`).
+are not refused; the server logs and ignores them (see :attr:`OpenAIBaseModel.unknown_fields`). The
+fields they declare are typed strictly, as JSON types: ``true`` is not the integer 1, ``"5"`` is not a
+number and ``"yes"`` is not a boolean.
 
 Numbers are checked before a request reaches the engine: every float of a request must be finite
 (JSON's ``1e999``, ``NaN`` and ``Infinity`` are refused) and not a boolean; token ids are strict
 integers (``true`` is not token 1); ``temperature`` is at most ``MAX_TEMPERATURE`` (100, as in
-``SamplingParams``) and ``seed`` a 64-bit integer. Request-size limits that depend on the server's
-flags are in :mod:`pagedllm.entrypoints.openai.limits`.
+``SamplingParams``), ``seed`` a 64-bit integer, ``repetition_penalty`` at least
+``MIN_REPETITION_PENALTY`` and ``length_penalty`` within ``MAX_LENGTH_PENALTY`` of 0 (beyond those the
+sampler's logits or the beam scores overflow). Strings the server echoes or tokenizes on its own
+(``model``, ``request_id``, ``bad_words``) must be Unicode text. Request-size limits that depend on
+the server's flags are in :mod:`pagedllm.entrypoints.openai.limits`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -29,6 +35,11 @@ from pydantic import (
 from pagedllm.sampling_params import MAX_TEMPERATURE
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A repetition penalty this small already makes a repeated token's logit a million times larger (or
+# smaller); far smaller ones overflow float32 logits into infinities, which sampling cannot take.
+MIN_REPETITION_PENALTY = 1e-6
+# Beam scores are divided by length ** length_penalty, which overflows (or reaches 0) far beyond this.
+MAX_LENGTH_PENALTY = 10.0
 
 
 def _not_bool(value: Any) -> Any:
@@ -37,8 +48,22 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
+def _unicode(value: str) -> str:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "must be Unicode text (it contains a lone surrogate, \\ud800 to \\udfff)"
+            ) from None
+    return value
+
+
 # A float field of a request: finite (see ``allow_inf_nan`` below) and not a boolean.
 Number = Annotated[float, BeforeValidator(_not_bool)]
+# A string the server echoes or tokenizes on its own: Unicode text. JSON's "\ud800" escapes can
+# name a lone surrogate, which no response can carry and no tokenizer takes.
+Text = Annotated[str, AfterValidator(_unicode)]
 # A token id: an integer, never a boolean, a float or a numeric string.
 TokenId = StrictInt
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
@@ -49,9 +74,10 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of every request model: unknown fields are kept aside instead of rejected."""
+    """Base of every request model: unknown fields are kept aside instead of rejected; declared fields
+    take only their own JSON type (no booleans as numbers, numeric strings or 1 as true)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @property
     def unknown_fields(self) -> list[str]:
@@ -85,10 +111,23 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: dict[str, Any] | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` object: exactly one constraint (checked when the sampling
+    parameters are built); unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completion and chat requests."""
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: Number | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: Number | None = None
@@ -106,7 +145,7 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM extras
     top_k: int | None = None
     min_p: Number | None = None
-    repetition_penalty: Number | None = None
+    repetition_penalty: Number | None = Field(None, ge=MIN_REPETITION_PENALTY)
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -114,12 +153,12 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    request_id: str | None = None
+    bad_words: list[Text] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    request_id: Text | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
-    length_penalty: Number = 1.0
+    length_penalty: Number = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
 
 
 class CompletionRequest(SamplingRequest):
@@ -158,7 +197,7 @@ class ChatCompletionRequest(SamplingRequest):
 class TokenizeRequest(OpenAIBaseModel):
     """``prompt`` (a completion prompt) or ``messages`` (rendered with the chat template)."""
 
-    model: str | None = None
+    model: Text | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
@@ -169,7 +208,7 @@ class TokenizeRequest(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[TokenId]
 
 

@@ -26,7 +26,6 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     error_from_exception,
-    logger,
 )
 from pagedllm.entrypoints.openai.streaming import (
     SSE_DONE,
@@ -61,6 +60,31 @@ def _usage(out: RequestOutput | None, prompt_len: int) -> UsageInfo:
     )
 
 
+def check_unsupported(request: ChatCompletionRequest) -> None:
+    """Refuse, naming the field, what would change the answer but is not served: tool and function
+    calling and audio output (ignoring them would answer a different question)."""
+    extra = request.model_extra or {}
+    if request.tools and request.tool_choice != "none":
+        raise OpenAIError(
+            'tools: tool calling is not supported (send tool_choice "none" to answer without tools).',
+            param="tools",
+        )
+    if request.tool_choice not in (None, "none", "auto"):
+        given = repr(request.tool_choice)[:200]
+        raise OpenAIError(
+            f'tool_choice must be "none" or "auto" (tool calling is not supported), got {given}.',
+            param="tool_choice",
+        )
+    if extra.get("functions"):
+        raise OpenAIError("functions: function calling is not supported.", param="functions")
+    if extra.get("function_call") not in (None, "none", "auto"):
+        raise OpenAIError("function_call: function calling is not supported.", param="function_call")
+    if extra.get("audio") is not None:
+        raise OpenAIError("audio: audio output is not supported.", param="audio")
+    if extra.get("modalities") not in (None, ["text"]):
+        raise OpenAIError('modalities: only ["text"] is supported.', param="modalities")
+
+
 class OpenAIServingChat(OpenAIServing):
     """Handles the chat completions endpoint."""
 
@@ -68,8 +92,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.log_unknown_fields(request)
         self.check_engine()
-        if request.tools:
-            logger.warning("Ignoring `tools`: tool calling is not supported.")
+        check_unsupported(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         self.check_request_modes(request)

@@ -314,11 +314,15 @@ class OpenAIServing:
 
     @staticmethod
     def _structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
-        if request.structured_outputs is not None:
-            try:
-                return StructuredOutputsParams(**request.structured_outputs)
-            except TypeError as exc:
-                raise ValueError(f"structured_outputs: {exc}") from None
+        so = request.structured_outputs
+        if so is not None:
+            return StructuredOutputsParams(
+                json=so.json_schema,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=so.json_object,
+            )
         fmt = request.response_format
         if fmt is None or fmt.type == "text":
             return None
