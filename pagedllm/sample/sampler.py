@@ -298,10 +298,11 @@ class Sampler:
             processed = raw
             owned = False
 
-        # A row whose constraints (allowed ids, bad words, min_tokens, a grammar) leave no token gets
-        # token 0 on the device, so a step scheduled ahead still reads a valid id, and NO_TOKEN on the
-        # host, where its request ends.
-        no_token = ~(processed.amax(dim=-1) > _NEG_INF) if owned or batch.masked_rows else None
+        # A row whose constraints (allowed ids, bad words, min_tokens, a grammar) leave no token, or
+        # whose processed logits are not finite (a penalty pushed one to infinity), gets token 0 on the
+        # device, so a step scheduled ahead still reads a valid id, and NO_TOKEN on the host, where its
+        # request ends.
+        no_token = ~torch.isfinite(processed.amax(dim=-1)) if owned or batch.masked_rows else None
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sampled_raw: torch.Tensor | None = None

@@ -43,6 +43,16 @@ def test_a_row_with_no_token_left_gets_no_token_and_the_others_are_untouched(tem
     assert out.token_ids[1] == NO_TOKEN and out.token_ids[2] == NO_TOKEN
 
 
+def test_a_row_pushed_to_infinity_by_a_penalty_gets_no_token(default_llm: Any) -> None:
+    """repetition_penalty 1e-300 is 0 in float32: dividing by it makes logits infinite."""
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-300, max_tokens=4, seed=0)
+    out = default_llm.generate(["Hi there"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "abort" and out.token_ids == []
+    normal = default_llm.generate(["Hi there"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(normal[0].outputs[0].token_ids) == 4
+    default_llm.llm_engine.check_idle()
+
+
 def test_a_nan_row_gets_no_token() -> None:
     logits = torch.zeros(2, 20)
     logits[0] = float("nan")

@@ -1031,11 +1031,6 @@ def test_engine_death_fails_requests_and_the_server_exits() -> None:
         srv.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a new request after engine death gets 500 (serving_engine.check_engine), which "
-    "test_server.py::test_http_engine_death_and_stream_error asserts; the contract says 503",
-)
 def test_new_request_after_engine_death_gets_503() -> None:
     if not NEW_REQUEST_AFTER_DEATH:
         pytest.skip("runs after test_engine_death_fails_requests_and_the_server_exits")

@@ -757,7 +757,7 @@ def test_http_engine_death_and_stream_error() -> None:
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert not engine.is_running
 
 

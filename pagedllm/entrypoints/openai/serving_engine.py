@@ -160,7 +160,11 @@ class OpenAIServing:
 
     def check_engine(self) -> None:
         if not self.engine.is_running:
-            raise error_from_exception(EngineDeadError(self.engine.dead_message()))
+            # A new request to a dead engine is refused as unavailable (requests in flight when it died
+            # fail with 500); /health answers 503 too.
+            raise OpenAIError(
+                self.engine.dead_message(), status_code=503, type="server_error", code="engine_dead"
+            )
 
     def check_limits(self, request: SamplingRequest) -> None:
         """``n`` and the sizes of the request's lists, before anything is tokenized."""
