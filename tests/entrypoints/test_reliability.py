@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.idle_engine import IdleEngine
 from helpers.server import SMALL_ENGINE_ARGS, RemoteServer, parse_metrics
-from pagedllm.engine.stats import EngineStats
 
 MODEL = "reliability-model"
 API_KEY = "sk-reliability"
@@ -424,33 +424,6 @@ def test_every_route_but_health_needs_the_key(keyed_server: RemoteServer) -> Non
     srv.wait_idle()
 
 
-class _IdleEngine:
-    """A synchronous engine that never has work (enough for the routes that do not generate)."""
-
-    model_name = "idle"
-    max_model_len = 64
-    vocab_size = 256
-    tokenizer = None
-
-    def add_request(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError("this engine takes no requests")
-
-    def step(self) -> list[Any]:
-        return []
-
-    def abort_request(self, request_id: Any) -> None:
-        pass
-
-    def has_unfinished_requests(self) -> bool:
-        return False
-
-    def pop_token_intervals(self) -> list[float]:
-        return []
-
-    def get_stats(self) -> EngineStats:
-        return EngineStats()
-
-
 def test_metrics_without_auth_and_disabled_docs() -> None:
     from fastapi.testclient import TestClient
 
@@ -478,7 +451,7 @@ def test_metrics_without_auth_and_disabled_docs() -> None:
             metrics_without_auth=True,
             disable_fastapi_docs=docs_off,
         )
-        engine = AsyncLLMEngine(_IdleEngine(), metrics=EngineMetrics("idle"))  # type: ignore[arg-type]
+        engine = AsyncLLMEngine(IdleEngine(), metrics=EngineMetrics("idle"))  # type: ignore[arg-type]
         with TestClient(build_app(engine, settings, engine.metrics)) as http:
             metrics = http.get("/metrics")
             assert metrics.status_code == 200 and "pagedllm:num_requests_running" in parse_metrics(

@@ -45,9 +45,9 @@ from schemathesis.specs.openapi.checks import (
     unsupported_method,
 )
 
+from helpers.idle_engine import IdleEngine
 from helpers.server import SMALL_ENGINE_ARGS, RemoteServer
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app
 from pagedllm.entrypoints.openai.protocol import MAX_LENGTH_PENALTY, MIN_REPETITION_PENALTY
 
@@ -471,35 +471,8 @@ FUZZ_CHECKS = [
 ]
 
 
-class _IdleEngine:
-    """Enough of an engine to build the app whose OpenAPI document is fuzzed."""
-
-    model_name = "idle"
-    max_model_len = 64
-    vocab_size = 256
-    tokenizer = None
-
-    def add_request(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError("this engine takes no requests")
-
-    def step(self) -> list[Any]:
-        return []
-
-    def abort_request(self, request_id: Any) -> None:
-        pass
-
-    def has_unfinished_requests(self) -> bool:
-        return False
-
-    def pop_token_intervals(self) -> list[float]:
-        return []
-
-    def get_stats(self) -> EngineStats:
-        return EngineStats()
-
-
 def _openapi_document() -> dict[str, Any]:
-    engine = AsyncLLMEngine(_IdleEngine())  # type: ignore[arg-type]
+    engine = AsyncLLMEngine(IdleEngine())  # type: ignore[arg-type]
     return build_app(engine, ServerSettings(served_model_names=[MODEL])).openapi()
 
 
