@@ -59,6 +59,10 @@ _SIGNATURES: dict[str, list[Any]] = {
     + [_F32, _F32]
     + [_PTR] * 5
     + [_I64, _PTR, _I64, _I64],
+    "quant_matmul_f32": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    "quant_matmul_f32_portable": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    "quant_dequantize_f32": [_I64, _PTR, _I64, _I64, _I64, _PTR],
+    "quant_kernel_isa": [],
 }
 _RETURNS: dict[str, Any] = {
     "paged_decode_attention_f32": ctypes.c_int,
@@ -66,6 +70,10 @@ _RETURNS: dict[str, Any] = {
     "llama_decode_layers_f32": ctypes.c_int,
     "panel_linear_f32": ctypes.c_int,
     "panel_weight_floats": ctypes.c_int64,
+    "quant_matmul_f32": ctypes.c_int64,
+    "quant_matmul_f32_portable": ctypes.c_int64,
+    "quant_dequantize_f32": ctypes.c_int64,
+    "quant_kernel_isa": ctypes.c_int64,
 }
 
 

@@ -1,0 +1,183 @@
+"""Matrix products with GGUF-quantized weights in their own block layout (llama.cpp-style), on the CPU.
+
+A :class:`QuantizedWeight` holds a weight exactly as a GGUF file stores it (the raw uint8 blocks of
+each output row, as ``gguf.GGUFReader`` returns them; no float copy). :func:`quant_matmul` multiplies
+float32 activations by it in the kernel library (``pagedllm/kernels/csrc/quant_cpu.c``): the
+activations are quantized to int8 per block (one scale per 32 values, per 256 for the K types), then
+integer dot products run on the stored quants (AVX-512 VNNI, AVX2 or portable C, whichever the
+library was compiled for), so the weight is read at its stored size (about 4.5-8.5 bits a value). The
+result differs from the float product by the activations' rounding, at most half an int8 step per
+value (see the tests for the bound). :func:`dequantize` expands rows to float32, bitwise as
+``gguf.quants.dequantize`` does, for products with many rows (dequantize a tile, then a float GEMM).
+
+Where the kernel library cannot be built, both fall back to gguf's NumPy dequantizer (and
+``F.linear``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.cpu.library import kernels_available, load_library
+
+# GGML type name: (type id, values per block, bytes per block).
+_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)
+
+_ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX2 + AVX-VNNI", 3: "AVX-512 VNNI"}
+
+
+def check_supported(type_name: str) -> None:
+    """Raise ``ValueError`` naming ``type_name`` unless the kernels handle that GGUF type."""
+    if type_name not in _TYPES:
+        raise ValueError(
+            f"GGUF quantization type {type_name} is not supported by the quantized CPU kernels "
+            f"(supported: {', '.join(SUPPORTED_TYPES)})."
+        )
+
+
+def block_size(type_name: str) -> int:
+    """Values per block of a supported type (32, or 256 for the K types)."""
+    check_supported(type_name)
+    return _TYPES[type_name][1]
+
+
+def row_bytes(type_name: str, in_features: int) -> int:
+    """Bytes of one weight row of ``in_features`` values (a multiple of the block size)."""
+    check_supported(type_name)
+    _, values, nbytes = _TYPES[type_name]
+    if in_features % values:
+        raise ValueError(f"{type_name} rows hold a multiple of {values} values, not {in_features}.")
+    return in_features // values * nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear layer's weight ``[out_features, in_features]`` in GGUF blocks.
+
+    ``blocks`` is a contiguous uint8 CPU tensor ``[out_features, row_bytes]``: row ``o`` is the
+    ``in_features / block_size`` blocks of output ``o``, in the type's GGUF layout.
+    """
+
+    type_name: str
+    shape: tuple[int, int]
+    blocks: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_supported(self.type_name)
+        out_features, in_features = self.shape
+        expected = (out_features, row_bytes(self.type_name, in_features))
+        if self.blocks.dtype != torch.uint8 or self.blocks.device.type != "cpu":
+            raise ValueError("QuantizedWeight.blocks must be a uint8 CPU tensor.")
+        if tuple(self.blocks.shape) != expected or not self.blocks.is_contiguous():
+            raise ValueError(
+                f"{self.type_name} weight of shape {self.shape} needs contiguous blocks of shape {expected}, "
+                f"got {tuple(self.blocks.shape)}."
+            )
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def type_id(self) -> int:
+        return _TYPES[self.type_name][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @classmethod
+    def from_gguf(cls, tensor: Any) -> QuantizedWeight:
+        """From a ``gguf.ReaderTensor`` (copied out of the file's memory map, still as blocks)."""
+        type_name = tensor.tensor_type.name
+        check_supported(type_name)
+        dims = [int(v) for v in tensor.shape]  # GGUF lists the row length (ne0) first
+        in_features, out_features = dims[0], math.prod(dims[1:])
+        data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(out_features, -1)
+        return cls(type_name, (out_features, in_features), torch.from_numpy(data))
+
+
+def kernel_isa() -> str:
+    """The instruction set :func:`quant_matmul` uses here (``"portable C"`` without the library)."""
+    if not kernels_available():
+        return "portable C"
+    return _ISA_NAMES.get(int(load_library().quant_kernel_isa()), "unknown")
+
+
+def _check_rc(rc: int, weight: QuantizedWeight) -> None:
+    if rc == -3:
+        raise MemoryError("quant_matmul: out of memory for the quantized activations.")
+    if rc:
+        raise ValueError(
+            f"quantized kernel rejected a {weight.type_name} weight of shape {weight.shape} (code {rc})."
+        )
+
+
+def _dequantize_numpy(weight: QuantizedWeight, begin: int, end: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    values = gguf_dequantize(weight.blocks[begin:end].numpy(), GGMLQuantizationType[weight.type_name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def dequantize(weight: QuantizedWeight, rows: slice | None = None) -> torch.Tensor:
+    """Rows ``rows`` (a step-1 slice of the output rows; all by default) of ``weight`` as a float32
+    tensor ``[len(rows), in_features]``, equal bit for bit to ``gguf.quants.dequantize``."""
+    begin, end, step = (rows or slice(None)).indices(weight.out_features)
+    if step != 1:
+        raise ValueError("dequantize takes a contiguous range of rows (a slice with step 1).")
+    end = max(begin, end)
+    if not kernels_available():
+        return _dequantize_numpy(weight, begin, end)
+    out = torch.empty(end - begin, weight.in_features, dtype=torch.float32)
+    rc = load_library().quant_dequantize_f32(
+        weight.type_id, weight.blocks.data_ptr(), begin, end, weight.in_features, out.data_ptr()
+    )
+    _check_rc(rc, weight)
+    return out
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
+    """``x @ W.T`` for float32 ``x [..., in_features]`` and a quantized ``W``: float32 ``[..., out_features]``.
+
+    ``portable=True`` takes the kernel's portable C path whatever the CPU (for tests). A row's result
+    does not depend on the other rows of ``x``.
+    """
+    k, n = weight.in_features, weight.out_features
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"quant_matmul takes float32 CPU inputs, got {x.dtype} on {x.device}.")
+    if x.shape[-1] != k:
+        raise ValueError(f"quant_matmul: input has {x.shape[-1]} features, the weight {k}.")
+    if not kernels_available():
+        return F.linear(x, _dequantize_numpy(weight, 0, n))
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    lib = load_library()
+    fn = lib.quant_matmul_f32_portable if portable else lib.quant_matmul_f32
+    rc = fn(
+        weight.type_id, weight.blocks.data_ptr(), n, k, x2.data_ptr(), rows, x2.stride(0), out.data_ptr(), n
+    )
+    _check_rc(rc, weight)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
