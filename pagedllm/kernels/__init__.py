@@ -5,8 +5,9 @@
   and all decoder layers of a decode step in one call).
 * ``cpu/``: :mod:`~pagedllm.kernels.cpu.library` builds ``csrc/`` with the system C compiler and loads
   it; :mod:`~pagedllm.kernels.cpu.ops`, :mod:`~pagedllm.kernels.cpu.attention`,
-  :mod:`~pagedllm.kernels.cpu.linear` and :mod:`~pagedllm.kernels.cpu.decode_layers` wrap its
-  functions for torch tensors.
+  :mod:`~pagedllm.kernels.cpu.linear`, :mod:`~pagedllm.kernels.cpu.decode_layers` and
+  :mod:`~pagedllm.kernels.cpu.quant` (products with GGUF-quantized weights on their own blocks) wrap
+  its functions for torch tensors.
 * ``triton/``: :mod:`~pagedllm.kernels.triton.launch` (compiled, interpreted and ahead-of-time
   launches), the KV write (:mod:`~pagedllm.kernels.triton.kv_write`), paged attention
   (:mod:`~pagedllm.kernels.triton.attention`), fused norms and activations
