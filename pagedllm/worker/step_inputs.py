@@ -83,15 +83,17 @@ class StepInputBuilder:
     ) -> HostStepInputs:
         n = len(requests)
         padded = padded_rows if padded_rows is not None else n
-        if out is None:
-            out = DecodeInputs.zeros(padded, self.max_blocks_per_seq)
         positions = [r.num_computed_tokens for r in requests]
         # A pending token (p == num_tokens) is written on the device by the model runner afterwards.
         token_ids = [
             r.all_token_ids[p] if p < r.num_tokens else 0 for r, p in zip(requests, positions, strict=True)
         ]
+        # Only the blocks the longest context reaches are gathered (and, for a fresh buffer, allocated).
+        width = max(positions) // self.block_size + 1
+        if out is None:
+            out = DecodeInputs.zeros(padded, width)
         width = fill_decode_inputs(
-            token_ids, positions, self.block_table_rows.array[rows], self.block_size, padded, out
+            token_ids, positions, self.block_table_rows.array[rows, :width], self.block_size, padded, out
         )
         return HostStepInputs(
             token_ids=out.input_ids[:padded],
