@@ -30,8 +30,6 @@ from pagedllm.sample.penalties import device_tensor
 from pagedllm.sample.sampling_inputs import SamplingInputs
 from pagedllm.sampling_params import SamplingParams
 
-_NEG_INF = float("-inf")
-
 # The token id of a row that had no token left to sample (see Sampler.sample).
 NO_TOKEN = -1
 

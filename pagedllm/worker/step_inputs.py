@@ -51,7 +51,6 @@ class StepInputBuilder:
 
     def __init__(self, block_size: int, max_rows: int, max_blocks_per_seq: int) -> None:
         self.block_size = block_size
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.block_table_rows = BlockTableRows(max_rows, max_blocks_per_seq)
 
     def build(
