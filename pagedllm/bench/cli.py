@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serve,step,roofline}``: the benchmark subcommands.
+"""``pagedllm bench {throughput,latency,perplexity,serve,step,roofline}``: the benchmark subcommands.
 
 Each lives in its own module with ``add_cli_args(parser)`` and ``run(args) -> int``.
 """
@@ -12,6 +12,14 @@ BENCHMARKS = {
     "throughput": (
         "pagedllm.bench.throughput",
         "Offline throughput on a workload, optionally against HF transformers baselines.",
+    ),
+    "latency": (
+        "pagedllm.bench.latency",
+        "Batch-1 prompt processing and decoding speed, optionally against llama.cpp on the same GGUF file.",
+    ),
+    "perplexity": (
+        "pagedllm.bench.perplexity",
+        "Perplexity of a text file (default: a shipped public-domain text), optionally against llama.cpp.",
     ),
     "serve": (
         "pagedllm.bench.serve",
@@ -29,10 +37,8 @@ BENCHMARKS = {
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``throughput``/``serve``/``roofline`` sub-subcommands to the ``bench`` parser."""
-    sub = parser.add_subparsers(
-        dest="bench_command", required=True, metavar="{throughput,serve,step,roofline}"
-    )
+    """Add the benchmark sub-subcommands (:data:`BENCHMARKS`) to the ``bench`` parser."""
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
     for name, (module_name, help_text) in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module_name).add_cli_args(p)

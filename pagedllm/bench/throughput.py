@@ -5,8 +5,11 @@ region starts before the first ``add_request`` and ends when the last request fi
 KV cache allocation and a short warm-up request are outside it, for the engine and the baselines
 alike). With baselines the engine runs again after them (``--engine-after-baselines``, on by
 default) and the mean of its two times is compared with theirs: the baselines take minutes, over
-which a shared machine's speed can drift. Sampling is greedy unless ``--temperature`` is set; EOS
-is ignored (``--no-ignore-eos`` to honour it) so every request produces exactly its output length.
+which a shared machine's speed can drift. ``--baseline llama.cpp`` decodes the same workload with
+llama.cpp on the engine's GGUF file (:mod:`pagedllm.bench.llamacpp`: greedy, with the engine's
+``max_num_seqs``, ``max_num_batched_tokens`` and threads). Sampling is greedy unless ``--temperature``
+is set; EOS is ignored (``--no-ignore-eos`` to honour it) so every request produces exactly its
+output length.
 
 Reported: requests/s, output tokens/s, total (prompt + output) tokens/s, the ratio of the engine's
 figures to each baseline's, per-request TTFT and end-to-end latency, engine statistics (preemptions,
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from pagedllm.bench import baselines as baselines_module
+from pagedllm.bench import llamacpp
 from pagedllm.bench.common import (
     distribution,
     format_table,
@@ -243,7 +247,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--baseline",
         default=None,
         metavar="NAMES",
-        help="Comma-separated HF transformers baselines to run on the same workload: hf-static, hf-cb.",
+        help="Comma-separated baselines to run on the same workload: hf-static, hf-cb (HF transformers), "
+        "llama.cpp (the same GGUF file; needs the llamacpp extra).",
     )
     group.add_argument(
         "--baseline-batch-size", type=int, default=16, help="Batch size of hf-static (default 16)."
@@ -331,10 +336,12 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         set_num_threads(args.num_threads)
-        baseline_names = baselines_module.parse_baselines(args.baseline)
+        hf_baselines, use_llama_cpp = llamacpp.split_baselines(args.baseline)
+        baseline_names = baselines_module.parse_baselines(hf_baselines)
         if args.temperature < 0:
             raise ValueError(f"--temperature must be non-negative, got {args.temperature}.")
         config = EngineConfig.from_cli_args(args)
+        gguf = llamacpp.check_baseline(config.model, args.temperature) if use_llama_cpp else None
         if args.roofline_json and args.measure_roofline:
             raise ValueError("give --roofline-json or --measure-roofline, not both.")
         roofline = load_roofline(args.roofline_json) if args.roofline_json else None
@@ -376,7 +383,7 @@ def _run(args: argparse.Namespace) -> int:
     max_num_seqs = engine.config.max_num_seqs
     max_batched = engine.scheduler.config.max_num_batched_tokens
     engine_device = str(engine.device)
-    rerun = bool(baseline_names) and args.engine_after_baselines
+    rerun = bool(baseline_names or gguf) and args.engine_after_baselines
     if not rerun:
         del engine
         gc.collect()
@@ -440,6 +447,11 @@ def _run(args: argparse.Namespace) -> int:
             baseline_results[name] = res.as_dict()
         del hf_model
         gc.collect()
+    if gguf is not None:
+        stop = None if args.ignore_eos else eos_ids
+        baseline_results[llamacpp.NAME] = llamacpp.throughput_baseline(
+            gguf, workload.requests, max_num_seqs, max_batched, stop, args.warmup, args.log_level
+        )
     if rerun:
         engine.reset_prefix_cache()  # the second run must not find the first run's prompts cached
         again = run_engine(
