@@ -19,7 +19,9 @@ The engine's figure comes from prompt logprobs (``SamplingParams(max_tokens=1, p
 each prompt position's log-probability of the actual next token, computed by the engine in its
 dtype); llama.cpp's from the logits of every position, log-softmaxed here in float64. Reported: both
 perplexities, the relative difference of the engine's from llama.cpp's, and each one's scored tokens
-per second (all windows queued at once for the engine, one window per ``llama_decode`` for llama.cpp).
+per second: for the engine the whole run, all windows queued at once; for llama.cpp the
+``llama_decode`` calls, one window each, and the copies of their logits (the float64 scoring here is
+left out).
 """
 
 from __future__ import annotations
@@ -177,10 +179,12 @@ def llamacpp_perplexity(path: str, windows: list[list[int]], threads: int) -> Pe
         with llamacpp.perplexity_context(model, longest) as ctx:
             llamacpp.window_logits(ctx, windows[0][:8])  # warm-up, untimed
             nll = 0.0
-            start = time.perf_counter()
+            elapsed = 0.0
             for window in windows:
-                nll += nll_from_logits(llamacpp.window_logits(ctx, window), window)
-            elapsed = time.perf_counter() - start
+                start = time.perf_counter()
+                logits = llamacpp.window_logits(ctx, window)
+                elapsed += time.perf_counter() - start
+                nll += nll_from_logits(logits, window)
     scored = sum(len(w) - 1 for w in windows)
     return PerplexityResult(llamacpp.NAME, nll, scored, len(windows), elapsed)
 

@@ -191,7 +191,7 @@ def test_perplexity_cli(tmp_path: Path) -> None:
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     out = tmp_path / "ppl.json"
     args = ["bench", "perplexity", str(text), "--context", "32", "--max-windows", "3"]
-    assert main([*args, *TINY_ENGINE, "--quantization", "none", "--output-json", str(out)]) == 0
+    assert main([*args, *TINY_ENGINE, "--output-json", str(out)]) == 0
     data = json.loads(out.read_text())
     result = data["systems"]["pagedllm"]
     assert data["bos_token_id"] is None and result["num_windows"] == 3
