@@ -7,6 +7,8 @@ embedding used as the LM head with ``--lm-head``), at 1, 8 and 32 rows, times
 * ``panel``: the float32 :class:`~pagedllm.kernels.cpu.linear.PanelLinear` product on the
   dequantized weight (what the engine runs today);
 * ``F.linear``: torch's float32 product on the dequantized weight;
+* ``dequant``: dequantizing the weight to float32, then ``F.linear`` (the other way to run a product
+  of many rows on quantized weights: with ``--rows 256 1024``, is it faster than ``quant``?);
 
 and prints the weight bytes each one reads per second (the quantized blocks, or 4 bytes a value) and
 the speed-up of ``quant`` over the other two. By default the weights are read cold, as a decode step
@@ -118,6 +120,7 @@ def main() -> int:
                 t_quant = timed([lambda w=w, x=x: quant_matmul(x, w) for w in quant_copies])
                 t_panel = timed([lambda p=p, x=x: p(x) for p in panels])
                 t_linear = timed([lambda w=w, x=x: F.linear(x, w) for w in float_copies])
+                t_dequant = timed([lambda w=w, x=x: F.linear(x, dequantize(w)) for w in quant_copies])
             table.append(
                 [
                     f"{name} x{count}",
@@ -130,8 +133,10 @@ def main() -> int:
                     n * k * 4 / t_panel / 1e9,
                     t_linear * 1e6,
                     n * k * 4 / t_linear / 1e9,
+                    t_dequant * 1e6,
                     t_panel / t_quant,
                     t_linear / t_quant,
+                    t_dequant / t_quant,
                 ]
             )
         del quant_copies, float_copies, panels
@@ -146,8 +151,9 @@ def main() -> int:
         "GB/s",
         "linear us",
         "GB/s",
+        "dequant us",
     ]
-    print(format_table([*headers, "vs panel", "vs linear"], table, left_columns=3))
+    print(format_table([*headers, "vs panel", "vs linear", "vs dequant"], table, left_columns=3))
     return 0
 
 

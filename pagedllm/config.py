@@ -6,6 +6,9 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+# Values of EngineConfig.quantization.
+QUANTIZATION_METHODS = ("auto", "none", "int8", "fp8")
+
 
 @dataclass
 class EngineConfig:
@@ -17,6 +20,10 @@ class EngineConfig:
     sequences need). ``async_scheduling`` None means on for CUDA devices, off elsewhere: the engine
     schedules and launches each step before the previous one's tokens reach the host, so that host
     work (scheduling, input staging, detokenization, stop checks) runs while the device computes.
+    ``quantization`` is how weights are held: ``auto`` (a GGUF file's quantized tensors stay in their
+    blocks, a safetensors checkpoint as stored), ``none`` (every weight dequantized to ``dtype``),
+    ``int8`` (weight-only int8 with one scale per output channel, made at load from float weights) or
+    ``fp8`` (weight-only FP8 per output channel, on a CUDA device).
     """
 
     model: str | None = None
@@ -37,6 +44,7 @@ class EngineConfig:
     served_model_name: str | None = None
     max_logprobs: int = 20
     async_scheduling: bool | None = None
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -55,6 +63,10 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}.")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}."
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 

@@ -20,9 +20,12 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @functools.cache
-def cached_checkpoint(model: str | None) -> LoadedCheckpoint:
-    """Weights are copied into each engine's own parameters, so one loaded copy serves all tests."""
-    return load_checkpoint(model)
+def cached_checkpoint(
+    model: str | None, tokenizer: str | None = None, keep_quantized: bool = False
+) -> LoadedCheckpoint:
+    """Float weights are copied into each engine's own parameters and GGUF blocks are read-only, so
+    one loaded copy serves all tests."""
+    return load_checkpoint(model, tokenizer, keep_quantized)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -48,7 +51,15 @@ def make_llm() -> Callable[..., Any]:
 
 @pytest.fixture(scope="session")
 def default_llm(make_llm: Callable[..., Any]) -> Any:
+    """The default model as a user gets it: its GGUF blocks run by the quantized kernels."""
     return make_llm()
+
+
+@pytest.fixture(scope="session")
+def float_llm(make_llm: Callable[..., Any]) -> Any:
+    """The default model dequantized to float32 (``quantization="none"``): the engine that is compared
+    with HF transformers token for token."""
+    return make_llm(quantization="none")
 
 
 @pytest.fixture(scope="session")

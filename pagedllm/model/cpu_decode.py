@@ -5,8 +5,8 @@ K/V write and the paged attention per layer); from Python each costs interpreter
 (and the interpreter's cache misses between kernels), which at decode batch sizes comes to a sixth
 of the step at 32 sequences and a third at 4. :class:`NativeDecodeLayers` runs
 the same kernels in the same order from C (``llama_decode_layers_f32`` in
-``pagedllm/kernels/csrc/decode_layers_cpu.c``), on the model's own weights, panel weights and KV cache, so
-its hidden states equal the Python forward's. Steps with any prompt chunk, and models it does not
+``pagedllm/kernels/csrc/decode_layers_cpu.c``), on the model's own weights (float32 panels or GGUF
+blocks) and KV cache, so its hidden states equal the Python forward's. Steps with any prompt chunk, and models it does not
 cover, take the Python forward; ``enforce_eager`` turns it off, as it does CUDA graphs.
 """
 
@@ -19,6 +19,7 @@ from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.cpu.decode_layers import DecodeLayersKernel, DecodeLayerTensors, DecodeShape
 from pagedllm.kernels.cpu.library import kernels_available
 from pagedllm.kernels.cpu.linear import PanelLinear
+from pagedllm.kernels.cpu.quant_linear import QuantLinear
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -28,12 +29,15 @@ def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str |
         return f"attention backend {attention_backend!r} (needs 'cpu')"
     if not kernels_available():
         return "native kernels unavailable"
-    if model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.device.type != "cpu":
+    norm = model.norm.weight
+    if norm.dtype != torch.float32 or norm.device.type != "cpu":
         return "not a float32 CPU model"
     for layer in _decoder_layers(model):
         linears = _linears(layer)
-        if not all(isinstance(m, PanelLinear) for m in linears):
-            return "linear layers are not in panel form"
+        if not all(isinstance(m, (PanelLinear, QuantLinear)) for m in linears):
+            return "linear layers neither in panel form nor GGUF blocks"
+        if any(isinstance(m, QuantLinear) and len(m.parts) > 4 for m in linears):
+            return "a projection of more than four quantized parts"
         if layer.self_attn.q_norm is not None:
             return "q/k norms"
         if any(m.bias is not None for m in linears[1:]):
@@ -53,16 +57,16 @@ def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.M
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def _panels(module: nn.Module) -> PanelLinear:
-    if not isinstance(module, PanelLinear):
-        raise ValueError("native decode needs linear layers in panel form (see unsupported_reason).")
+def _kernel_linear(module: nn.Module) -> PanelLinear | QuantLinear:
+    if not isinstance(module, (PanelLinear, QuantLinear)):
+        raise ValueError("native decode needs panel or quantized linear layers (see unsupported_reason).")
     return module
 
 
 class NativeDecodeLayers:
     """The decoder layers and final norm of ``model`` for steps whose every row is a decode.
 
-    Gathers the model's parameters, its panel weights and ``kv_caches`` (per layer ``(k, v)``, each
+    Gathers the model's parameters, its panel or quantized weights and ``kv_caches`` (per layer ``(k, v)``, each
     ``[num_blocks, block_size, kv_heads, head_dim]`` contiguous) for
     :class:`~pagedllm.kernels.cpu.decode_layers.DecodeLayersKernel`: those tensors must stay alive
     and in place for as long as this object is used.
@@ -74,16 +78,15 @@ class NativeDecodeLayers:
         layers = _decoder_layers(model)
         tensors = []
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            qkv, o, gate_up, down = (_panels(m) for m in _linears(layer))
+            qkv, o, gate_up, down = (_kernel_linear(m) for m in _linears(layer))
             tensors.append(
                 DecodeLayerTensors(
                     input_norm=layer.input_layernorm.weight,
-                    qkv_panels=qkv.panels,
-                    qkv_bias=qkv.bias,
-                    o_panels=o.panels,
+                    qkv=qkv,
+                    o=o,
                     post_attention_norm=layer.post_attention_layernorm.weight,
-                    gate_up_panels=gate_up.panels,
-                    down_panels=down.panels,
+                    gate_up=gate_up,
+                    down=down,
                     k_cache=k_cache,
                     v_cache=v_cache,
                 )

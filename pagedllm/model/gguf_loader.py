@@ -1,7 +1,9 @@
-"""Load llama.cpp GGUF checkpoints: metadata -> :class:`ModelConfig`, tensors -> float32 HF weights.
+"""Load llama.cpp GGUF checkpoints: metadata -> :class:`ModelConfig`, tensors -> HF-named weights.
 
-Every tensor is dequantized with ``gguf.quants.dequantize`` (vectorised numpy) and renamed from
-llama.cpp's scheme (``blk.N.attn_q.weight``) to Hugging Face's (``model.layers.N.self_attn.q_proj.weight``).
+With ``keep_quantized``, tensors of the types the quantized CPU kernels multiply (Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (:class:`~pagedllm.kernels.cpu.quant.QuantizedWeight`);
+every other tensor (and every tensor without ``keep_quantized``) is dequantized to float32 with
+``gguf.quants.dequantize`` (vectorised numpy). Names are mapped from llama.cpp's scheme (``blk.N.attn_q.weight``) to Hugging Face's (``model.layers.N.self_attn.q_proj.weight``).
 For the "llama" architecture, llama.cpp's converter reorders the rows of the query and key
 projections (it interleaves the two rotary halves of every head); that reordering is undone here so
 the weights are the ones of the original Hugging Face model.
@@ -9,6 +11,7 @@ the weights are the ones of the original Hugging Face model.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -17,10 +20,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from gguf import GGUFReader, GGUFValueType, ReaderField
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
+from pagedllm.kernels.cpu.quant import SUPPORTED_TYPES, QuantizedWeight
 from pagedllm.model.config import ModelConfig, unsupported_architecture_error
+
+logger = logging.getLogger(__name__)
+
+# Tensor types that hold float values as they are (dequantizing them is a plain conversion).
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # llama.cpp architecture name -> internal architecture name.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -263,9 +272,23 @@ def _dequantize_f32(tensor: Any) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a GGUF file: its :class:`ModelConfig` and float32 weights under Hugging Face names.
+def quantized_tensor_types(path: str) -> dict[str, int]:
+    """The quantized (not plain float) tensor types of a GGUF file and how many tensors have each."""
+    counts: dict[str, int] = {}
+    for tensor in open_gguf(path).tensors:
+        name = GGMLQuantizationType(tensor.tensor_type).name
+        if name not in FLOAT_TYPES:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
+
+def load_gguf(
+    path: str, keep_quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
+    """Read a GGUF file: its :class:`ModelConfig` and weights under Hugging Face names.
+
+    Weights are float32 tensors, or with ``keep_quantized`` :class:`QuantizedWeight` blocks for the
+    2-D tensors of a type the quantized kernels take (the others are dequantized, logged once by type).
     Raises ValueError for an unsupported architecture, an unknown tensor, or tensors that do not
     match the metadata.
     """
@@ -276,20 +299,37 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     rope_freqs = _dequantize_f32(by_name[_ROPE_FREQS]) if _ROPE_FREQS in by_name else None
     config = gguf_config(reader, rope_freqs)
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"Unexpected tensor '{tensor.name}' in {gguf_arch} GGUF file {path}.")
-        arr = _dequantize_f32(tensor)
+        type_name = GGMLQuantizationType(tensor.tensor_type).name
+        quantized = keep_quantized and type_name in SUPPORTED_TYPES and len(tensor.shape) == 2
+        if keep_quantized and not quantized and type_name not in FLOAT_TYPES:
+            dequantized[type_name] = dequantized.get(type_name, 0) + 1
+        weight = QuantizedWeight.from_gguf(tensor) if quantized else None
+        arr = weight.blocks.numpy() if weight is not None else _dequantize_f32(tensor)
         if gguf_arch == "llama":
+            # Whole rows move (a quantized row's blocks with it).
             if tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
                 arr = unpermute_rotary_rows(arr, config.num_attention_heads)
             elif tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
                 arr = unpermute_rotary_rows(arr, config.num_key_value_heads)
-        weights[hf_name] = torch.from_numpy(arr)
+        if weight is not None:
+            blocks = torch.from_numpy(np.ascontiguousarray(arr))
+            weights[hf_name] = QuantizedWeight(weight.type_name, weight.shape, blocks)
+        else:
+            weights[hf_name] = torch.from_numpy(arr)
+    if dequantized:
+        logger.warning(
+            "%s: tensors of types without quantized CPU kernels were dequantized to float32: %s",
+            os.path.basename(path),
+            ", ".join(f"{t} ({n} tensors)" for t, n in sorted(dequantized.items())),
+        )
     config.check_weights(weights, path)
     return config, weights
 

@@ -1,4 +1,4 @@
-"""Resolve a model argument to a checkpoint and load its config, float32 weights and tokenizer.
+"""Resolve a model argument to a checkpoint and load its config, weights and tokenizer.
 
 A model argument is one of:
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_loader import gguf_display_name, load_gguf
 from pagedllm.model.hf_loader import load_hf
@@ -32,13 +33,15 @@ class LoadedCheckpoint:
     """A loaded model checkpoint.
 
     ``weights`` are float32 CPU tensors keyed by Hugging Face parameter name
-    (``model.layers.0.self_attn.q_proj.weight``; no ``lm_head.weight`` when embeddings are tied).
+    (``model.layers.0.self_attn.q_proj.weight``; no ``lm_head.weight`` when embeddings are tied), or
+    GGUF blocks (:class:`QuantizedWeight`) for a GGUF file's quantized tensors when loaded with
+    ``keep_quantized``.
     ``tokenizer`` carries the model's chat template when it has one. ``name`` is a display name
     (``SmolLM2-135M-Instruct``); ``path`` is the resolved checkpoint file or directory.
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: PreTrainedTokenizerBase
     name: str
     path: str
@@ -91,19 +94,23 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
     raise ValueError(f"Model directory {model!r} has neither a config.json nor a .gguf file.")
 
 
-def load_checkpoint(model: str | None, tokenizer: str | None = None) -> LoadedCheckpoint:
-    """Load a model's config, float32 weights and tokenizer.
+def load_checkpoint(
+    model: str | None, tokenizer: str | None = None, keep_quantized: bool = False
+) -> LoadedCheckpoint:
+    """Load a model's config, weights (float32, or GGUF blocks with ``keep_quantized``) and tokenizer.
 
     ``tokenizer`` optionally overrides where the tokenizer comes from (a directory or ``.gguf``
     file); by default it is the model's own. When the checkpoint names no EOS token, the
     tokenizer's is used.
     """
     kind, path = resolve_model_path(model)
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     if kind == "gguf":
-        config, weights = load_gguf(path)
+        config, weights = load_gguf(path, keep_quantized=keep_quantized)
         name = gguf_display_name(path)
     else:
-        config, weights = load_hf(path)
+        config, hf_weights = load_hf(path)
+        weights = dict(hf_weights)
         name = os.path.basename(os.path.normpath(path))
     tok = load_tokenizer(tokenizer if tokenizer is not None else path)
     if not config.eos_token_ids:

@@ -19,6 +19,7 @@ from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.quantization import weight_format
 from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -39,7 +40,10 @@ class Executor:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        ckpt = load_checkpoint(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        keep_quantized = weight_format(config.quantization, config.model, self.device, self.dtype)
+        ckpt = load_checkpoint(config.model, config.tokenizer, keep_quantized=keep_quantized)
         self.config = config
         self.tokenizer = ckpt.tokenizer
         self.model_config = ckpt.config
@@ -51,8 +55,6 @@ class Executor:
             )
         self.max_model_len = config.max_model_len or model_max
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(4096, config.max_num_seqs)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = choose_attention_backend(config.attention_backend, self.device, self.dtype)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(
@@ -64,6 +66,7 @@ class Executor:
             dtype=self.dtype,
             attention_backend=self.attention_backend,
             max_num_seqs=config.max_num_seqs,
+            quantization=config.quantization,
         )
         del ckpt
         self.num_kv_blocks = self._num_kv_blocks()

@@ -13,10 +13,12 @@ from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.kernels.cpu.linear import optimize_cpu_linears
+from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
+from pagedllm.model.quantization import install_gguf_blocks, quantize_float_linears
 from pagedllm.outputs import Logprob
 from pagedllm.sample.sampler import DeviceSamples, Sampler, SamplingInputs
 from pagedllm.worker.cpu_memory import keep_freed_memory
@@ -77,7 +79,7 @@ class ModelRunner:
     def __init__(
         self,
         model_config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor | QuantizedWeight],
         *,
         max_model_len: int,
         block_size: int,
@@ -85,7 +87,10 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: str,
         max_num_seqs: int = 256,
+        quantization: str = "none",
     ) -> None:
+        """``weights`` may hold GGUF blocks (kept quantized, CPU only); ``quantization`` ``int8`` or
+        ``fp8`` quantizes the float projections after loading (see :mod:`pagedllm.model.quantization`)."""
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -99,10 +104,13 @@ class ModelRunner:
         model.rotary = RotaryEmbedding(
             model_config.head_dim, max_model_len, model_config.rope_theta, model_config.rope_scaling
         )
-        model.load_weights(weights)
+        model.load_weights(install_gguf_blocks(model, weights))
         self.model = model.to(device=device, dtype=dtype).eval()
         # Rotary tables stay fp32 for accuracy.
         self.model.rotary.to(dtype=torch.float32)
+        if quantization in ("int8", "fp8"):
+            count = quantize_float_linears(self.model, quantization, device)
+            logger.info("Weight-only %s: %d linear layers quantized.", quantization, count)
         if device.type == "cpu":
             logger.info("CPU linear layers: %s weights", optimize_cpu_linears(self.model))
             keep_freed_memory()

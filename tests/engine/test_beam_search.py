@@ -44,12 +44,12 @@ def hf_beam_search(
 
 
 @pytest.fixture(scope="module")
-def beam_run(default_llm: Any) -> tuple[list[BeamSearchOutput], int, int]:
+def beam_run(float_llm: Any) -> tuple[list[BeamSearchOutput], int, int]:
     """The outputs, plus the prompt tokens queried and hit in the prefix cache during the search."""
-    engine = default_llm.llm_engine
+    engine = float_llm.llm_engine
     before = engine.get_stats()
     params = BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=MAX_TOKENS)
-    outs = default_llm.beam_search(PROMPTS, params)
+    outs = float_llm.beam_search(PROMPTS, params)
     after = engine.get_stats()
     engine.check_idle()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
@@ -62,10 +62,10 @@ def beam_outputs(beam_run: tuple[list[BeamSearchOutput], int, int]) -> list[Beam
 
 
 def test_beam_search_matches_hf(
-    default_llm: Any, hf_default: tuple[Any, Any], beam_outputs: list[BeamSearchOutput]
+    float_llm: Any, hf_default: tuple[Any, Any], beam_outputs: list[BeamSearchOutput]
 ) -> None:
     model, _ = hf_default
-    engine = default_llm.llm_engine
+    engine = float_llm.llm_engine
     assert len(beam_outputs) == len(PROMPTS)
     saw_eos = False
     for prompt, out in zip(PROMPTS, beam_outputs, strict=True):
@@ -82,9 +82,9 @@ def test_beam_search_matches_hf(
     assert saw_eos, "no hypothesis ended with EOS: the finishing path is untested"
 
 
-def test_sequences_sorted_and_consistent(default_llm: Any, beam_outputs: list[BeamSearchOutput]) -> None:
-    tokenizer = default_llm.get_tokenizer()
-    eos = set(default_llm.llm_engine.eos_token_ids)
+def test_sequences_sorted_and_consistent(float_llm: Any, beam_outputs: list[BeamSearchOutput]) -> None:
+    tokenizer = float_llm.get_tokenizer()
+    eos = set(float_llm.llm_engine.eos_token_ids)
     for out in beam_outputs:
         seqs = out.sequences
         assert len(seqs) == BEAM_WIDTH
@@ -103,10 +103,10 @@ def test_sequences_sorted_and_consistent(default_llm: Any, beam_outputs: list[Be
 
 
 def test_beams_share_prefix_blocks(
-    default_llm: Any, beam_run: tuple[list[BeamSearchOutput], int, int]
+    float_llm: Any, beam_run: tuple[list[BeamSearchOutput], int, int]
 ) -> None:
     outs, queries, hits = beam_run
-    block = default_llm.llm_engine.config.block_size
+    block = float_llm.llm_engine.config.block_size
     # A prompt's search ran at least as many steps as its longest hypothesis has tokens. At step
     # s > 1 each of its beams is a request of P + s - 1 tokens whose full blocks but the last token's
     # were computed by the previous step's request for its parent beam: all of them are cache hits.
@@ -119,26 +119,26 @@ def test_beams_share_prefix_blocks(
     assert queries > hits >= expected
 
 
-def test_length_penalty_and_ignore_eos(default_llm: Any, hf_default: tuple[Any, Any]) -> None:
+def test_length_penalty_and_ignore_eos(float_llm: Any, hf_default: tuple[Any, Any]) -> None:
     model, _ = hf_default
-    engine = default_llm.llm_engine
+    engine = float_llm.llm_engine
     prompt = PROMPTS[2]
     params = BeamSearchParams(beam_width=2, max_tokens=8, length_penalty=0.5)
-    (out,) = default_llm.beam_search([prompt], params)
+    (out,) = float_llm.beam_search([prompt], params)
     expected = hf_beam_search(model, out.prompt_token_ids, 2, 8, engine.eos_token_ids, 0.5)
     assert [s.tokens for s in out.sequences] == [t for t, _ in expected]
 
-    (out,) = default_llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    (out,) = float_llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
     assert [len(s.output_token_ids) for s in out.sequences] == [6, 6]
     assert all(s.finish_reason == "length" for s in out.sequences)
     engine.check_idle()
 
 
-def test_beam_search_rejects_bad_arguments(default_llm: Any) -> None:
+def test_beam_search_rejects_bad_arguments(float_llm: Any) -> None:
     with pytest.raises(ValueError, match="max_logprobs"):
-        default_llm.beam_search(["Hi"], BeamSearchParams(beam_width=11, max_tokens=2))
+        float_llm.beam_search(["Hi"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(ValueError, match="maximum context length"):
-        default_llm.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=5000))
+        float_llm.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=5000))
     with pytest.raises(ValueError, match="empty"):
-        default_llm.beam_search([""], BeamSearchParams(beam_width=2, max_tokens=2))
-    default_llm.llm_engine.check_idle()
+        float_llm.beam_search([""], BeamSearchParams(beam_width=2, max_tokens=2))
+    float_llm.llm_engine.check_idle()

@@ -28,10 +28,10 @@ def test_n_samples_share_prompt_blocks(default_llm):
     assert eight < 3 * one, f"n=8 used {eight} blocks vs {one} for n=1"
 
 
-def test_prompt_logprobs_match_a_full_forward(default_llm, hf_default):
+def test_prompt_logprobs_match_a_full_forward(float_llm, hf_default):
     model, tokenizer = hf_default
     prompt = "The quick brown fox jumps over the lazy dog."
-    out = default_llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    out = float_llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     ids = tokenizer(prompt).input_ids
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
     assert out.prompt_logprobs[0] is None
@@ -41,7 +41,7 @@ def test_prompt_logprobs_match_a_full_forward(default_llm, hf_default):
         entry = out.prompt_logprobs[i]
         assert ids[i] in entry and 2 <= len(entry) <= 3
         assert abs(entry[ids[i]].logprob - float(ref[i - 1, ids[i]])) < 1e-3
-    default_llm.llm_engine.check_idle()
+    float_llm.llm_engine.check_idle()
 
 
 def test_logit_bias_forces_a_token(default_llm):

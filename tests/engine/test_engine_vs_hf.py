@@ -10,14 +10,14 @@ from pagedllm import SamplingParams
 
 
 @pytest.mark.slow
-def test_greedy_matches_hf_on_default_model(default_llm, hf_default):
+def test_greedy_matches_hf_on_default_model(float_llm, hf_default):
     model, tokenizer = hf_default
-    chat = default_llm.get_tokenizer().apply_chat_template(
+    chat = float_llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": "Name a colour."}], tokenize=False, add_generation_prompt=True
     )
     prompts = PROMPTS + [chat]
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
-    outs = default_llm.generate(prompts, params, use_tqdm=False)
+    outs = float_llm.generate(prompts, params, use_tqdm=False)
     identical = 0
     for prompt, out in zip(prompts, outs, strict=True):
         expected_ids = tokenizer(prompt).input_ids
@@ -30,4 +30,4 @@ def test_greedy_matches_hf_on_default_model(default_llm, hf_default):
             if tok in ours.logprobs[0]:
                 assert abs(ours.logprobs[0][tok].logprob - lp) < 1e-3
     assert identical >= len(prompts) - 2, "near-tie flips are rare"
-    default_llm.llm_engine.check_idle()
+    float_llm.llm_engine.check_idle()

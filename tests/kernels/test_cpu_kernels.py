@@ -20,7 +20,7 @@ from pagedllm.kernels.cpu import linear as cpu_linear
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.attention import paged_decode_attention, paged_prefill_attention
 from pagedllm.kernels.cpu.library import kernels_available, load_library
-from pagedllm.kernels.cpu.linear import PanelLinear, optimize_cpu_linears
+from pagedllm.kernels.cpu.linear import PanelEmbedding, PanelLinear, optimize_cpu_linears
 from pagedllm.kernels.triton.elementwise import rms_norm_torch, silu_and_mul_torch
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.worker import cpu_memory
@@ -245,7 +245,16 @@ def test_optimize_cpu_linears_keeps_tied_weights_shared() -> None:
     expected = model(ids)
     form = optimize_cpu_linears(model)
     assert form == ("panels" if kernels_available() else "column-major")
-    assert model.head.weight is model.embed.weight
+    if kernels_available():
+        # One copy: the head holds panels only and the embedding reads its rows from them.
+        assert isinstance(model.head, PanelLinear) and isinstance(model.embed, PanelEmbedding)
+        assert model.embed.head is model.head
+        assert not any(isinstance(m, nn.Linear) for m in model.modules())
+        assert sum(p.numel() for p in model.parameters()) == 16 + 50 * 0  # the projection's bias only
+        with pytest.raises(IndexError, match="token ids"):
+            model.embed(torch.tensor([50]))
+    else:
+        assert model.head.weight is model.embed.weight
     torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
 
 

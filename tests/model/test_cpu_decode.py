@@ -5,37 +5,14 @@ times; models and settings they do not cover take the Python forward."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import torch
 
 from helpers.model_factory import make_tiny_hf_model
+from helpers.native_decode import CheckedNativeDecode
 from pagedllm import SamplingParams
-from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.cpu.library import kernels_available
-from pagedllm.model.llama import ForwardContext
 
 needs_native = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
-
-
-class CheckedNativeDecode:
-    """Runs the Python forward, then the native layers on the same step, and compares them."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.native = runner.native_decode
-        self.batch_sizes: list[int] = []
-
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        ctx = ForwardContext(meta, self.runner.kv_cache.layers, self.runner.backend)
-        expected = self.runner.model(input_ids, positions, ctx)  # writes the same K/V as the native call
-        got = self.native(input_ids, positions, meta)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        self.batch_sizes.append(len(input_ids))
-        return got
 
 
 @needs_native

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from helpers.gguf_writer import write_tiny_gguf
 from helpers.model_factory import default_tokenizer, make_tiny_hf_model
 from pagedllm.model import tokenizer as tokenizer_mod
 from pagedllm.model.config import ModelConfig
@@ -354,78 +355,6 @@ def test_gguf_display_names() -> None:
 # ---------------------------------------------------------------------------------------------
 # Tiny GGUF files written from tiny HF models (exercise qwen2 / qwen3 tensors and the llama row order)
 
-_HF_TO_GGUF_BLOCK = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_tiny_gguf(
-    path: str,
-    arch: str,
-    cfg: ModelConfig,
-    weights: dict[str, torch.Tensor],
-    rope_freqs: np.ndarray | None = None,
-) -> dict[str, torch.Tensor]:
-    """Write ``weights`` as llama.cpp would (2-D tensors F16); return the weights the file holds."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_eot_token_id(5)
-    expected: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{_HF_TO_GGUF_BLOCK[rest]}"
-        else:
-            gguf_name = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }[name]
-        arr = tensor.numpy().astype(np.float16 if tensor.ndim == 2 else np.float32)
-        expected[name] = torch.from_numpy(arr.astype(np.float32))
-        if arch == "llama" and ".attn_q." in gguf_name:
-            arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in gguf_name:
-            arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name, arr)
-    if rope_freqs is not None:
-        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
-
 
 @pytest.mark.parametrize(("arch", "tied"), [("qwen2", False), ("qwen3", True), ("llama", False)])
 def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
@@ -442,7 +371,7 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
             "original_max_position_embeddings": 8192,
         }
         rope_freqs = llama3_rope_freq_factors(hf_cfg.rope_scaling, hf_cfg.rope_theta, hf_cfg.head_dim)
-    expected = _write_tiny_gguf(path, arch, hf_cfg, hf_weights, rope_freqs)
+    expected = write_tiny_gguf(path, arch, hf_cfg, hf_weights, rope_freqs)
 
     cfg, weights = load_gguf(path)
     assert set(weights) == set(expected)

@@ -1,9 +1,9 @@
 """All decoder layers of a Llama-family decode step in one native call (``llama_decode_layers_f32`` in
 ``pagedllm/kernels/csrc/decode_layers_cpu.c``).
 
-:class:`DecodeLayersKernel` holds pointers to every layer's weights (norms, panel-layout projections,
-an optional q/k/v bias) and KV caches, in the field-major order the C side indexes them; the tensors
-must stay alive and in place while it is used. The model-specific part (which module holds which
+:class:`DecodeLayersKernel` holds pointers to every layer's weights (norms; projections as
+:class:`LinearWeightStruct`: float32 panels or GGUF blocks, with an optional bias) and KV caches, in the
+field-major order the C side indexes them; the tensors must stay alive and in place while it is used. The model-specific part (which module holds which
 weight, and when a model qualifies) is :mod:`pagedllm.model.cpu_decode`.
 """
 
@@ -15,19 +15,54 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.kernels.cpu.library import load_library
+from pagedllm.kernels.cpu.linear import PanelLinear
+from pagedllm.kernels.cpu.quant_linear import QuantLinear
+
+_MAX_PARTS = 4  # LINEAR_MAX_PARTS in decode_layers_cpu.c
+_PANELS = 0  # LINEAR_PANELS: a part of float32 panels
+
+
+class LinearWeightStruct(ctypes.Structure):
+    """``linear_weight_t`` of ``decode_layers_cpu.c``: a projection's weight as the C loop reads it."""
+
+    _fields_ = [
+        ("num_parts", ctypes.c_int64),
+        ("type", ctypes.c_int64 * _MAX_PARTS),
+        ("rows", ctypes.c_int64 * _MAX_PARTS),
+        ("data", ctypes.c_void_p * _MAX_PARTS),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+def linear_weight_struct(module: PanelLinear | QuantLinear) -> LinearWeightStruct:
+    """The C description of a panel or quantized linear layer (pointing into its tensors)."""
+    if isinstance(module, PanelLinear):
+        parts = [(_PANELS, module.out_features, module.panels.data_ptr())]
+    else:
+        parts = [(p.type_id, p.out_features, p.blocks.data_ptr()) for p in module.parts]
+    if len(parts) > _MAX_PARTS:
+        raise ValueError(f"native decode takes at most {_MAX_PARTS} parts per projection, got {len(parts)}.")
+    bias = module.bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError("native decode needs a contiguous float32 bias.")
+    desc = LinearWeightStruct()
+    desc.num_parts = len(parts)
+    for i, (type_id, rows, ptr) in enumerate(parts):
+        desc.type[i], desc.rows[i], desc.data[i] = type_id, rows, ptr
+    desc.bias = None if bias is None else bias.data_ptr()
+    return desc
 
 
 @dataclass
 class DecodeLayerTensors:
-    """One decoder layer's tensors, float32 and contiguous (panels from :mod:`~pagedllm.kernels.cpu.linear`)."""
+    """One decoder layer's tensors (norms and caches float32 and contiguous) and projections."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv_panels: torch.Tensor
-    qkv_bias: torch.Tensor | None  # [q + 2 kv] or None
-    o_panels: torch.Tensor
+    qkv: PanelLinear | QuantLinear  # fused q/k/v (its bias, if any, is added)
+    o: PanelLinear | QuantLinear
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up_panels: torch.Tensor
-    down_panels: torch.Tensor
+    gate_up: PanelLinear | QuantLinear  # fused gate/up
+    down: PanelLinear | QuantLinear
     k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor
 
@@ -50,27 +85,20 @@ class DecodeLayersKernel:
     def __init__(
         self, layers: list[DecodeLayerTensors], final_norm: torch.Tensor, shape: DecodeShape
     ) -> None:
-        def ptr(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
-            if not t.is_contiguous():
-                raise ValueError("native decode needs contiguous weights and caches.")
-            return t.data_ptr()
+        self._structs: list[LinearWeightStruct] = []
 
-        names = [
-            "input_norm",
-            "qkv_panels",
-            "qkv_bias",
-            "o_panels",
-            "post_attention_norm",
-            "gate_up_panels",
-            "down_panels",
-            "k_cache",
-            "v_cache",
-        ]
+        def ptr(value: torch.Tensor | PanelLinear | QuantLinear) -> int:
+            if isinstance(value, (PanelLinear, QuantLinear)):
+                self._structs.append(linear_weight_struct(value))
+                return ctypes.addressof(self._structs[-1])
+            if not value.is_contiguous():
+                raise ValueError("native decode needs contiguous weights and caches.")
+            return value.data_ptr()
+
+        names = ["input_norm", "qkv", "o", "post_attention_norm", "gate_up", "down", "k_cache", "v_cache"]
         flat = [ptr(getattr(layer, name)) for name in names for layer in layers]  # field-major
         self._layer_ptrs = (ctypes.c_void_p * len(flat))(*flat)
-        self._layers = layers  # keeps the tensors alive
+        self._layers = layers  # keeps the tensors (and the structs' targets) alive
         self._final_norm = final_norm
         self.num_layers = len(layers)
         self.shape = shape
@@ -108,6 +136,8 @@ class DecodeLayersKernel:
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
             max_seq_len, s.block_size,
         )  # fmt: skip
-        if rc != 0:
+        if rc == -1 or rc == -3:
             raise MemoryError("native decode layers: out of memory for scratch buffers.")
+        if rc != 0:
+            raise ValueError(f"native decode layers: a product kernel rejected its weight (code {rc}).")
         return out

@@ -62,6 +62,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "quant_matmul_f32": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "quant_matmul_f32_portable": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "quant_dequantize_f32": [_I64, _PTR, _I64, _I64, _I64, _PTR],
+    "quant_gather_rows_f32": [_I64, _PTR, _PTR, _I64, _I64, _PTR],
     "quant_kernel_isa": [],
 }
 _RETURNS: dict[str, Any] = {
@@ -73,6 +74,7 @@ _RETURNS: dict[str, Any] = {
     "quant_matmul_f32": ctypes.c_int64,
     "quant_matmul_f32_portable": ctypes.c_int64,
     "quant_dequantize_f32": ctypes.c_int64,
+    "quant_gather_rows_f32": ctypes.c_int64,
     "quant_kernel_isa": ctypes.c_int64,
 }
 

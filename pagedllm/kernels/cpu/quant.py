@@ -156,28 +156,74 @@ def dequantize(weight: QuantizedWeight, rows: slice | None = None) -> torch.Tens
     return out
 
 
-def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
+def gather_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape of int64 row indices) of ``weight`` as float32 ``[*ids.shape, in_features]``,
+    bitwise as :func:`dequantize` gives them: an embedding lookup on a quantized table."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    n = weight.out_features
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"row ids must be in [0, {n}).")
+    if not kernels_available():
+        table = _dequantize_numpy(weight, 0, n)
+        return table[flat].view(*ids.shape, weight.in_features)
+    out = torch.empty(flat.numel(), weight.in_features, dtype=torch.float32)
+    rc = load_library().quant_gather_rows_f32(
+        weight.type_id,
+        weight.blocks.data_ptr(),
+        flat.data_ptr(),
+        flat.numel(),
+        weight.in_features,
+        out.data_ptr(),
+    )
+    _check_rc(rc, weight)
+    return out.view(*ids.shape, weight.in_features)
+
+
+def quant_matmul(
+    x: torch.Tensor, weight: QuantizedWeight, *, out: torch.Tensor | None = None, portable: bool = False
+) -> torch.Tensor:
     """``x @ W.T`` for float32 ``x [..., in_features]`` and a quantized ``W``: float32 ``[..., out_features]``.
 
-    ``portable=True`` takes the kernel's portable C path whatever the CPU (for tests). A row's result
-    does not depend on the other rows of ``x``.
+    ``out`` (optional) is a float32 ``[rows, out_features]`` view with unit column stride to write into
+    (a column range of a wider output); it is returned. ``portable=True`` takes the kernel's portable C
+    path whatever the CPU (for tests). A row's result does not depend on the other rows of ``x``.
     """
     k, n = weight.in_features, weight.out_features
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise TypeError(f"quant_matmul takes float32 CPU inputs, got {x.dtype} on {x.device}.")
     if x.shape[-1] != k:
         raise ValueError(f"quant_matmul: input has {x.shape[-1]} features, the weight {k}.")
-    if not kernels_available():
-        return F.linear(x, _dequantize_numpy(weight, 0, n))
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
-        x2 = x2.contiguous()
     rows = x2.shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32)
+    if out is not None and (
+        out.dtype != torch.float32
+        or tuple(out.shape) != (rows, n)
+        or out.stride(-1) != 1
+        or out.stride(0) < n
+    ):
+        raise ValueError(f"quant_matmul: out must be a float32 [{rows}, {n}] view with unit column stride.")
+    if not kernels_available():
+        result = F.linear(x2, _dequantize_numpy(weight, 0, n))
+        if out is None:
+            return result if x.dim() == 2 else result.view(*x.shape[:-1], n)
+        return out.copy_(result)
+    if x2.stride(-1) != 1 or (rows > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
     lib = load_library()
     fn = lib.quant_matmul_f32_portable if portable else lib.quant_matmul_f32
     rc = fn(
-        weight.type_id, weight.blocks.data_ptr(), n, k, x2.data_ptr(), rows, x2.stride(0), out.data_ptr(), n
+        weight.type_id,
+        weight.blocks.data_ptr(),
+        n,
+        k,
+        x2.data_ptr(),
+        rows,
+        x2.stride(0),
+        y.data_ptr(),
+        y.stride(0),
     )
     _check_rc(rc, weight)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+    if out is not None or x.dim() == 2:
+        return y
+    return y.view(*x.shape[:-1], n)

@@ -3,9 +3,14 @@
  * native call: per layer RMSNorm (+ residual), the fused q/k/v projection, rotary embedding, K/V
  * written to the paged cache, paged attention, the output projection, RMSNorm (+ residual), the
  * fused gate/up projection, SiLU-and-mul and the down projection; then the final RMSNorm. Every
- * step is the same kernel the Python forward calls (this library's elementwise, attention and
- * panel-weight product kernels), in the same order, so the two paths give the same numbers; this
- * one saves the interpreter and dispatch cost of some three hundred calls per step.
+ * step is the same kernel the Python forward calls (this library's elementwise, attention, panel-weight
+ * and quantized-weight product kernels), in the same order, so the two paths give the same numbers;
+ * this one saves the interpreter and dispatch cost of some three hundred calls per step.
+ *
+ * A projection's weight is described by a linear_weight_t: one or more parts stacked along the
+ * outputs (a fused q/k/v projection of a GGUF file whose q, k and v have different types has three),
+ * each float32 panels (linear_cpu.c) or GGUF blocks of a quantized type (quant_cpu.c), and an
+ * optional bias added after the products, as the Python layers add it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,15 +30,50 @@ int paged_decode_attention_f32(
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_seq_len, float scale);
 int panel_linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *out,
                      int64_t ldo, int64_t m, int64_t n, int64_t k);
+int64_t quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx,
+                         float *y, int64_t ldy);
 
-/* Per-layer pointers, ``num_layers`` of each, in this order in ``layer_ptrs``. */
-enum { P_LN1, P_QKV, P_QKV_BIAS, P_O, P_LN2, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, NUM_P };
+#define LINEAR_MAX_PARTS 4
+#define LINEAR_PANELS 0 /* part type of float32 panels; other values are GGML type ids */
+
+/* A projection's weight (kept in step with LinearWeightStruct in pagedllm/kernels/cpu/decode_layers.py). */
+typedef struct {
+    int64_t num_parts;
+    int64_t type[LINEAR_MAX_PARTS];  /* LINEAR_PANELS or the GGML type of the part's blocks */
+    int64_t rows[LINEAR_MAX_PARTS];  /* output rows of the part; parts are stacked in order */
+    const void *data[LINEAR_MAX_PARTS];
+    const float *bias;               /* [sum of rows], or NULL */
+} linear_weight_t;
+
+/* out[m, n] (row stride ldo) = x[m, k] @ W^T (+ bias). Returns 0 or a kernel's error code. */
+static int linear_forward(const linear_weight_t *w, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m,
+                          int64_t k)
+{
+    int64_t col = 0;
+    for (int64_t p = 0; p < w->num_parts; ++p) {
+        const int64_t rows = w->rows[p];
+        const int64_t rc = w->type[p] == LINEAR_PANELS
+                               ? panel_linear_f32(x, ldx, w->data[p], NULL, out + col, ldo, m, rows, k)
+                               : quant_matmul_f32(w->type[p], w->data[p], rows, k, x, m, ldx, out + col, ldo);
+        if (rc) return (int)rc;
+        col += rows;
+    }
+    if (w->bias)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < col; ++c) out[r * ldo + c] += w->bias[c];
+    return 0;
+}
+
+/* Per-layer pointers, ``num_layers`` of each, in this order in ``layer_ptrs`` (projections point to a
+ * linear_weight_t). */
+enum { P_LN1, P_QKV, P_O, P_LN2, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, NUM_P };
 
 /*
  * ``x`` [rows, hidden]: the embedded input tokens (overwritten). ``out`` [rows, hidden]: the final
  * hidden states (after ``final_norm``). Row r is one sequence's new token at ``positions[r]``, its K/V
  * go to cache slot ``slots[r]`` (skipped when negative) and it attends over ``seq_lens[r]`` tokens
- * through ``block_tables[r]``. Returns 0, or -1 when a scratch buffer could not be allocated.
+ * through ``block_tables[r]``. Returns 0, -1 when a scratch buffer could not be allocated, or a
+ * product kernel's error code.
  */
 int llama_decode_layers_f32(
     int64_t num_layers, const void *const *layer_ptrs, const float *final_norm,
@@ -62,8 +102,7 @@ int llama_decode_layers_f32(
         } else { /* residual += x; h = norm(residual) */
             rms_norm_f32(x, hidden, residual, hidden, h, hidden, residual, hidden, ln1, rows, hidden, eps);
         }
-        if ((rc = panel_linear_f32(h, hidden, PTR(P_QKV), PTR(P_QKV_BIAS), qkv, qkv_size, rows, qkv_size, hidden)))
-            break;
+        if ((rc = linear_forward(PTR(P_QKV), h, hidden, qkv, qkv_size, rows, hidden))) break;
         /* q and k heads are adjacent: rotate them in one pass. */
         rotary_f32(qkv, qkv_size, head_dim, rows, num_heads + num_kv_heads, head_dim, positions, cos_cache, sin_cache);
         for (int64_t r = 0; r < rows; ++r) {
@@ -75,14 +114,11 @@ int llama_decode_layers_f32(
         rc = paged_decode_attention_f32(qkv, qkv_size, head_dim, k_cache, v_cache, block_tables, table_stride,
                                         seq_lens, attn, q_size, head_dim, rows, num_heads, num_kv_heads, head_dim,
                                         block_size, max_seq_len, scale);
-        if (rc || (rc = panel_linear_f32(attn, q_size, PTR(P_O), NULL, x, hidden, rows, hidden, q_size)))
-            break;
+        if (rc || (rc = linear_forward(PTR(P_O), attn, q_size, x, hidden, rows, q_size))) break;
         rms_norm_f32(x, hidden, residual, hidden, h, hidden, residual, hidden, ln2, rows, hidden, eps);
-        if ((rc = panel_linear_f32(h, hidden, PTR(P_GATE_UP), NULL, gate_up, 2 * intermediate, rows,
-                                   2 * intermediate, hidden)))
-            break;
+        if ((rc = linear_forward(PTR(P_GATE_UP), h, hidden, gate_up, 2 * intermediate, rows, hidden))) break;
         silu_and_mul_f32(gate_up, 2 * intermediate, act, intermediate, rows, intermediate);
-        rc = panel_linear_f32(act, intermediate, PTR(P_DOWN), NULL, x, hidden, rows, hidden, intermediate);
+        rc = linear_forward(PTR(P_DOWN), act, intermediate, x, hidden, rows, intermediate);
 #undef PTR
     }
     if (rc == 0) rms_norm_f32(x, hidden, residual, hidden, out, hidden, residual, hidden, final_norm, rows, hidden, eps);

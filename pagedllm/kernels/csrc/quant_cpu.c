@@ -258,6 +258,20 @@ int64_t quant_dequantize_f32(int64_t type, const void *w, int64_t row_begin, int
     return 0;
 }
 
+/* out[i, 0:k] = row ids[i] of the weight w ([rows, k] of ``type``) in float32, for i < n (an embedding
+ * lookup on a quantized table; ids must be valid rows). Returns 0, or ERR_TYPE / ERR_SHAPE. */
+int64_t quant_gather_rows_f32(int64_t type, const void *w, const int64_t *ids, int64_t n, int64_t k, float *out)
+{
+    const int qb = block_values(type);
+    if (!qb) return ERR_TYPE;
+    if (k < 0 || k % qb || n < 0) return ERR_SHAPE;
+    const int64_t nb = k / qb, row_bytes = nb * block_bytes(type);
+    const uint8_t *wb = (const uint8_t *)w;
+#pragma omp parallel for schedule(static) if (n * k >= (1 << 16))
+    for (int64_t i = 0; i < n; ++i) dequant_row(type, wb + ids[i] * row_bytes, nb, out + i * k);
+    return 0;
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Activations: int8 per block, in the layout each path reads                                      */
 

@@ -1,0 +1,99 @@
+"""Linear and embedding layers over GGUF-quantized weights, for the CPU.
+
+:class:`QuantLinear` is an ``nn.Linear`` whose weight stays in its GGUF blocks
+(:class:`~pagedllm.kernels.cpu.quant.QuantizedWeight`); :class:`QuantEmbedding` is an ``nn.Embedding``
+over such a table, and a tied LM head is a :class:`QuantLinear` over the very same blocks (one copy).
+Every product, whatever its number of rows, runs the integer kernel (:func:`quant_matmul`): measured on
+the default model's layers it is faster than dequantizing the weight and multiplying in float32 at
+every row count (``benchmarks/quant_matmul.py --dequant``, docs/PERFORMANCE.md), and one kernel for
+all rows keeps a row's result independent of the batch it is in, prompt chunks included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from pagedllm.kernels.cpu.quant import QuantizedWeight, gather_rows, quant_matmul
+
+
+def _merge_parts(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Adjacent parts of one type joined into one weight (their rows stacked; the blocks copied once)."""
+    merged: list[QuantizedWeight] = []
+    run: list[QuantizedWeight] = []
+    for part in [*parts, None]:
+        if part is not None and (not run or part.type_name == run[0].type_name):
+            run.append(part)
+            continue
+        if len(run) == 1:
+            merged.append(run[0])
+        elif run:
+            blocks = torch.cat([p.blocks for p in run])
+            merged.append(QuantizedWeight(run[0].type_name, (blocks.shape[0], run[0].in_features), blocks))
+        run = [] if part is None else [part]
+    return merged
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with ``W`` in GGUF blocks, float32 activations on the CPU.
+
+    ``parts`` are weights of the same ``in_features`` stacked along the outputs in order (a fused
+    q/k/v projection whose q, k and v were quantized separately); adjacent parts of one type are
+    merged. ``bias``, when asked for, is a float32 parameter (filled by the checkpoint loader). The
+    blocks are read-only after construction and shared with any other layer built on the same
+    :class:`QuantizedWeight` (a tied LM head and its :class:`QuantEmbedding`).
+    """
+
+    def __init__(self, parts: Sequence[QuantizedWeight], bias: bool = False) -> None:
+        super().__init__()
+        if not parts:
+            raise ValueError("QuantLinear needs at least one weight.")
+        in_features = {p.in_features for p in parts}
+        if len(in_features) != 1:
+            raise ValueError(f"QuantLinear parts have different input sizes: {sorted(in_features)}.")
+        self.parts = _merge_parts(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in self.parts)
+        self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized blocks."""
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        types = "+".join(p.type_name for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={types}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        if len(self.parts) == 1:
+            out = quant_matmul(x2, self.parts[0])
+        else:
+            out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+            col = 0
+            for part in self.parts:
+                quant_matmul(x2, part, out=out[:, col : col + part.out_features])
+                col += part.out_features
+        if self.bias is not None:
+            out += self.bias
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings looked up in a GGUF-quantized table ``[num_embeddings, embedding_dim]``: each
+    row is dequantized as it is read (float32, bitwise as ``gguf.quants.dequantize``)."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.table = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.table.type_name}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gather_rows(self.table, ids)

@@ -1,0 +1,76 @@
+"""The layers over GGUF blocks (:mod:`pagedllm.kernels.cpu.quant_linear`): a projection of several
+parts equals its parts' products side by side, bit for bit, at every row count; adjacent parts of one
+type are merged without changing a bit; a bias is added once; embedding rows are the dequantizer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.quant_weights import random_weight
+from pagedllm.kernels.cpu.library import kernels_available
+from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize, gather_rows, quant_matmul
+from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
+
+
+def _parts() -> list[QuantizedWeight]:
+    # A q/k/v-like stack: 64 rows of Q4_K, 32 of Q6_K, 32 more of Q6_K (merged with the previous).
+    return [
+        random_weight("Q4_K", 64, 256, seed=1)[0],
+        random_weight("Q6_K", 32, 256, seed=2)[0],
+        random_weight("Q6_K", 32, 256, seed=3)[0],
+    ]
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 17, 300])
+def test_parts_side_by_side_bitwise(rows: int) -> None:
+    parts = _parts()
+    layer = QuantLinear(parts, bias=True)
+    assert [p.type_name for p in layer.parts] == ["Q4_K", "Q6_K"]  # the two Q6_K parts merged
+    assert (layer.in_features, layer.out_features) == (256, 128)
+    assert layer.nbytes == sum(p.nbytes for p in parts)
+    with torch.no_grad():
+        layer.bias.copy_(torch.linspace(-1, 1, 128))  # type: ignore[union-attr]
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    expected = torch.cat([quant_matmul(x, p) for p in parts], dim=1) + torch.linspace(-1, 1, 128)
+    assert torch.equal(layer(x), expected)
+    # 3-D input, and a row's output independent of the other rows.
+    assert torch.equal(layer(x.view(1, rows, 256))[0], expected)
+    assert torch.equal(layer(x[-1:]), expected[-1:])
+
+
+@needs_kernels
+def test_quant_matmul_writes_into_a_column_range() -> None:
+    weight, _ = random_weight("Q8_0", 48, 64, seed=4)
+    x = torch.randn(7, 64)
+    wide = torch.full((7, 100), 7.0)
+    quant_matmul(x, weight, out=wide[:, 10:58])
+    assert torch.equal(wide[:, 10:58], quant_matmul(x, weight))
+    assert bool((wide[:, :10] == 7.0).all()) and bool((wide[:, 58:] == 7.0).all())
+    with pytest.raises(ValueError, match="out must be"):
+        quant_matmul(x, weight, out=torch.empty(7, 47))
+
+
+def test_parts_must_share_the_input_size() -> None:
+    with pytest.raises(ValueError, match="different input sizes"):
+        QuantLinear([random_weight("Q8_0", 32, 64, seed=0)[0], random_weight("Q8_0", 32, 96, seed=0)[0]])
+    with pytest.raises(ValueError, match="at least one"):
+        QuantLinear([])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_embedding_rows_are_the_dequantizers(type_name: str) -> None:
+    weight, _ = random_weight(type_name, 40, 256, seed=5)
+    table = dequantize(weight)
+    embed = QuantEmbedding(weight)
+    ids = torch.tensor([[3, 0, 39], [3, 3, 17]])
+    got = embed(ids)
+    assert got.shape == (2, 3, 256)
+    assert torch.equal(got, table[ids])
+    assert torch.equal(gather_rows(weight, torch.tensor([], dtype=torch.int64)), table[:0])
+    for bad in (40, -1):
+        with pytest.raises(IndexError, match="row ids"):
+            embed(torch.tensor([1, bad]))
