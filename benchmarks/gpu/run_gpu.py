@@ -54,6 +54,7 @@ from sections.decode import section_decode
 from sections.equivalence import section_equivalence
 from sections.hf import section_hf
 from sections.kernels import section_kernels
+from sections.quantization import section_quantization
 from sections.random_model import write_random_model
 from sections.roofline import section_roofline
 from sections.serve import section_serve
@@ -191,6 +192,8 @@ class Run:
         if self.wants("hf") and throughput is not None:
             self.section("hf", lambda: section_hf(state))
         state.llm = None
+        if self.wants("quantization"):  # its own engines, once the shared one has let the GPU go
+            self.section("quantization", lambda: section_quantization(state))
 
     def run_equivalence(self, tiny_reference: bool) -> None:
         """Against ``--model``; else the default model when installed; else a small sharp random model."""

@@ -12,6 +12,7 @@ import torch
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.kernels.cpu.library import cpu_flags
 from pagedllm.kernels.cpu.linear import optimize_cpu_linears
 from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
@@ -111,6 +112,14 @@ class ModelRunner:
         if quantization in ("int8", "fp8"):
             count = quantize_float_linears(self.model, quantization, device)
             logger.info("Weight-only %s: %d linear layers quantized.", quantization, count)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():
+                logger.info("bfloat16 on the CPU: torch's kernels (AVX-512 BF16); the native ones are float32.")
+            else:
+                logger.warning(
+                    "This CPU has no AVX-512 BF16: bfloat16 runs through torch's emulated kernels, slower "
+                    "than dtype='float32'."
+                )
         if device.type == "cpu":
             logger.info("CPU linear layers: %s weights", optimize_cpu_linears(self.model))
             keep_freed_memory()

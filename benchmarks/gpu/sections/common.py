@@ -15,7 +15,7 @@ import torch
 from pagedllm.bench.common import write_json
 from pagedllm.bench.workloads import BenchRequest
 
-SECTIONS = ("kernels", "equivalence", "throughput", "decode", "roofline", "serve", "hf")
+SECTIONS = ("kernels", "equivalence", "throughput", "decode", "roofline", "serve", "hf", "quantization")
 
 
 @dataclass

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from pagedllm.bench.common import format_table
+from sections import quantization
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -197,4 +198,5 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
     else:
         rows.append(("serve", "status", status(sv)))
     rows.append(("overall", "checks", "passed" if results.get("passed") else "FAILED"))
+    rows += quantization.summary_rows(results.get("quantization"))
     return rows

@@ -93,6 +93,14 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of this CPU as Linux lists them (``avx512_bf16``, ...); empty elsewhere."""
+    for line in _cpu_signature().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
