@@ -114,7 +114,9 @@ class ModelRunner:
             logger.info("Weight-only %s: %d linear layers quantized.", quantization, count)
         if device.type == "cpu" and dtype == torch.bfloat16:
             if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():
-                logger.info("bfloat16 on the CPU: torch's kernels (AVX-512 BF16); the native ones are float32.")
+                logger.info(
+                    "bfloat16 on the CPU: torch's kernels (AVX-512 BF16); the native ones are float32."
+                )
             else:
                 logger.warning(
                     "This CPU has no AVX-512 BF16: bfloat16 runs through torch's emulated kernels, slower "

@@ -102,9 +102,7 @@ def test_sequences_sorted_and_consistent(float_llm: Any, beam_outputs: list[Beam
             assert not eos & set(generated[:-1])
 
 
-def test_beams_share_prefix_blocks(
-    float_llm: Any, beam_run: tuple[list[BeamSearchOutput], int, int]
-) -> None:
+def test_beams_share_prefix_blocks(float_llm: Any, beam_run: tuple[list[BeamSearchOutput], int, int]) -> None:
     outs, queries, hits = beam_run
     block = float_llm.llm_engine.config.block_size
     # A prompt's search ran at least as many steps as its longest hypothesis has tokens. At step

@@ -25,7 +25,9 @@ def test_bfloat16_weights_and_cache_follow_float32(make_llm: Any, float_llm: Any
         # Score the bf16 engine's tokens with the float32 engine, one step at a time.
         for i, token in enumerate(tokens):
             step = float_llm.generate(
-                [prompt_ids + list(tokens[:i])], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False
+                [prompt_ids + list(tokens[:i])],
+                SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                use_tqdm=False,
             )[0].outputs[0]
             top5 = step.logprobs[0]  # greedy: the argmax is among the five, so exactly five
             assert len(top5) == 5
