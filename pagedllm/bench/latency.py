@@ -11,7 +11,8 @@ EOS ignored. Two figures per run:
   to the last.
 
 Each system runs ``--repeats`` times (default 3) after an untimed warm-up request and reports the
-median of each figure. The engine's prefix cache is emptied before every run, so no run reuses the
+median of each figure (and how many leading greedy tokens the two systems' outputs share, a check that
+they run the same model). The engine's prefix cache is emptied before every run, so no run reuses the
 previous one's prompt. With ``--baseline llama.cpp`` llama.cpp runs the same prompt on the engine's
 GGUF file (the default model unless ``--model`` names another) in the same process, after the engine,
 with the same thread count (``--threads``, else torch's default), and the ratios engine / llama.cpp
@@ -88,6 +89,7 @@ def summarize(samples: list[LatencySample]) -> dict[str, Any]:
         "prompt_tokens_per_s": statistics.median(prompt),
         "decode_tokens_per_s": statistics.median(decode),
         "ttft_s": statistics.median(s.prompt_s for s in samples),
+        "output_tokens": samples[0].output_tokens,
         "decode_s_per_token": statistics.median(
             s.decode_s / max(len(s.output_tokens) - 1, 1) for s in samples
         ),
@@ -254,7 +256,18 @@ def _ratios(systems: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     return {
         "prompt_tokens_per_s": ratio(ours["prompt_tokens_per_s"], base["prompt_tokens_per_s"]),
         "decode_tokens_per_s": ratio(ours["decode_tokens_per_s"], base["decode_tokens_per_s"]),
+        "greedy_tokens_agreeing": common_prefix(ours["output_tokens"], base["output_tokens"]),
     }
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _print_report(
@@ -289,6 +302,9 @@ def _print_report(
             + _x(ratios["prompt_tokens_per_s"])
             + ", decoding "
             + _x(ratios["decode_tokens_per_s"])
+        )
+        print(
+            f"Greedy outputs agree on their first {ratios['greedy_tokens_agreeing']} of {args.output_len} tokens."
         )
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pagedllm.bench import llamacpp
+from pagedllm.bench.latency import common_prefix
 from pagedllm.bench.workloads import BenchRequest, random_workload
 from pagedllm.entrypoints.cli import main
 
@@ -174,6 +175,12 @@ def test_run_batched_refuses_a_budget_below_the_slots() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
+
+
 def test_latency_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "latency.json"
     args = ["bench", "latency", "--input-len", "24", "--output-len", "5", "--repeats", "2"]
@@ -182,6 +189,7 @@ def test_latency_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     engine = data["systems"]["pagedllm"]
     assert len(engine["runs"]) == 2
     assert engine["prompt_tokens_per_s"] > 0 and engine["decode_tokens_per_s"] > 0
+    assert len(engine["output_tokens"]) == 5
     assert data["threads"] == 2 and data["ratios"] is None
     assert "prompt tok/s" in capsys.readouterr().out
 
