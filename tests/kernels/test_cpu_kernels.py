@@ -16,7 +16,6 @@ from helpers.attention_cases import MIXED, Batch, assert_close, reference_attent
 from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
-from pagedllm.kernels.cpu import linear as cpu_linear
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.attention import paged_decode_attention, paged_prefill_attention
 from pagedllm.kernels.cpu.library import kernels_available, load_library
@@ -196,24 +195,24 @@ def test_choose_attention_backend() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 12, 13, 17, 32, 65, 300, 400])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 12, 13, 17, 32, 65, 300, 400, 1000])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("panels_only", [False, True])
-def test_panel_linear_matches_f_linear(
-    rows: int, bias: bool, panels_only: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # 200 outputs: six full panels and a last one of 8 columns; 400 rows cross a row-block boundary.
-    # ``panels_only`` runs the panel kernel at every row count (as the native decode layers do).
-    if panels_only:
-        monkeypatch.setattr(cpu_linear, "PANEL_MAX_ROWS", 1 << 30)
+def test_panel_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    # 200 outputs: six full panels and a last one of 8 columns; 400 and 1000 rows cross row-block
+    # boundaries (384 rows a pass).
     torch.manual_seed(rows)
     linear = nn.Linear(97, 200, bias=bias)
+    weight = linear.weight.detach().clone()
     panel = PanelLinear(linear)
     x = torch.randn(rows, 97)
-    torch.testing.assert_close(panel(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(panel(x), F.linear(x, weight, linear.bias), atol=1e-5, rtol=1e-5)
     # Non-contiguous and 3-D inputs.
     x3 = torch.randn(2, rows, 194)[:, :, ::2]
-    torch.testing.assert_close(panel(x3), F.linear(x3, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(panel(x3), F.linear(x3, weight, linear.bias), atol=1e-5, rtol=1e-5)
+    # The original weight is gone; its rows are still readable from the panels.
+    assert not hasattr(panel, "weight")
+    ids = torch.tensor([0, 31, 32, 199])
+    assert torch.equal(panel.weight_rows(ids), weight[ids])
 
 
 @needs_kernels

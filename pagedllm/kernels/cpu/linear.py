@@ -5,8 +5,10 @@ for the default model in float32) stream from memory once per step. :class:`Pane
 weight in the kernel library's panel layout (``pagedllm/kernels/csrc/linear_cpu.c``) instead of the
 original ``[out, in]`` tensor, which it releases: the panel product prefetches the next panel while it
 computes on the current one, 1.2-1.5x faster than MKL (plain or packed) at 8-64 rows on the default
-model's layers read cold. Prompt chunks use the same panels (:data:`PANEL_MAX_ROWS`). An embedding table
-tied to an LM head is read from the head's panels (:class:`PanelEmbedding`), so it is not kept twice.
+model's layers read cold. Prompt chunks use the same kernel: on those layers at 300-4096 rows it is
+2.1-2.8x faster than ``F.linear`` (MKL) on the original weight and than a batched matmul over the panels
+(docs/PERFORMANCE.md, section 9). An embedding table tied to an LM head is read from the head's panels
+(:class:`PanelEmbedding`), so it is not kept twice.
 The Python forward and the native decode layers (:mod:`pagedllm.model.cpu_decode`) share the panels and
 give the same results. Where the library cannot be built, weights are stored column-major instead,
 the next best layout for small batches.
@@ -19,9 +21,6 @@ from torch import nn
 
 from pagedllm.kernels.cpu.library import kernels_available, load_library
 
-# Above this many rows (prompt chunks) a product runs as one batched matmul of torch over the panels
-# (each panel a [k, 32] matrix), whose blocking for large products is better than the panel kernel's.
-PANEL_MAX_ROWS = 256
 PANEL_WIDTH = 32  # output columns per panel (NR in linear_cpu.c)
 
 
@@ -30,9 +29,8 @@ class PanelLinear(nn.Module):
 
     ``panels`` is packed from ``linear.weight`` once; the original weight is not kept (a module that
     shares it, such as a tied embedding, must read the panels instead: :class:`PanelEmbedding`).
-    ``bias`` is the original parameter. Products of at most :data:`PANEL_MAX_ROWS` rows run the panel
-    kernel, within which a row's output does not depend on the other rows; larger ones a batched
-    matmul over the same panels.
+    ``bias`` is the original parameter. Every product runs the panel kernel, so a row's output does not
+    depend on the other rows of the batch.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -71,17 +69,9 @@ class PanelLinear(nn.Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         if x2.dtype != torch.float32:
             raise TypeError(f"PanelLinear takes float32 inputs, got {x2.dtype}.")
-        rows = x2.shape[0]
-        if rows > PANEL_MAX_ROWS:
-            # [panels, rows, 32] -> [rows, panels * 32], the padding columns dropped.
-            out = torch.matmul(x2, self.panel_view()).transpose(0, 1).reshape(rows, -1)[:, :n]
-            if self.bias is not None:
-                out = out + self.bias
-            else:
-                out = out.contiguous()
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
         if x2.stride(-1) != 1 or x2.stride(0) < k:
             x2 = x2.contiguous()
+        rows = x2.shape[0]
         out = torch.empty(rows, n, dtype=torch.float32)
         rc = load_library().panel_linear_f32(
             x2.data_ptr(), x2.stride(0), self.panels.data_ptr(),
