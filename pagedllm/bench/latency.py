@@ -201,6 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     model_name = engine.model_name
     engine_config = dataclasses.asdict(engine.config)
     device = str(engine.device)
+    engine_dtype = str(engine.executor.dtype).removeprefix("torch.")
     del engine
     gc.collect()
 
@@ -240,6 +241,7 @@ def _run(args: argparse.Namespace) -> int:
                 "repeats": args.repeats,
                 "warmup": args.warmup,
                 "engine_config": engine_config,
+                "engine_dtype": engine_dtype,
                 "systems": systems,
                 "ratios": ratios,
             },

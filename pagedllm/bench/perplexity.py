@@ -275,6 +275,7 @@ def _run(args: argparse.Namespace) -> int:
     results = {"pagedllm": engine_perplexity(engine, windows).as_dict()}
     model_name = engine.model_name
     engine_config = dataclasses.asdict(engine.config)
+    engine_dtype = str(engine.executor.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
     del engine
     if gguf is not None:
@@ -299,6 +300,7 @@ def _run(args: argparse.Namespace) -> int:
                 "context": args.context,
                 "bos_token_id": bos,
                 "engine_config": engine_config,
+                "engine_dtype": engine_dtype,
                 "systems": results,
                 "comparison": comparison,
             },
