@@ -298,18 +298,14 @@ typedef struct {
     float d, s;
 } xblock32;
 
-/* Two 32-value blocks (AVX-512): the scales broadcast over the 8 lanes of each block's dot
- * products. A missing second block (odd block counts) is all zeros. A row is (nb + 1) / 2 pairs
- * followed by the blocks' scaled sums (d * sum of quants), zero-padded to a multiple of 16. */
+/* One 32-value block for the AVX-512 path: quants, scale, scale * sum of quants, and the integer
+ * term of the weight type's quant offset (-8 * sum of quants for Q4_0, -128 * sum for Q8_0 whose
+ * quants are offset by 128, 0 for Q4_1 whose min is a float: its term is d_w's m times s). */
 typedef struct {
-    int8_t q[64];
-    float d[16];
-} xpair32;
-
-static int64_t round16(int64_t v)
-{
-    return (v + 15) / 16 * 16;
-}
+    int8_t q[32];
+    float d, s;
+    int32_t c, pad;
+} xblock16;
 
 /* One 256-value block (all paths). */
 typedef struct {
@@ -327,22 +323,16 @@ static void quantize_row32(const float *x, int64_t nb, xblock32 *out)
     }
 }
 
-static void quantize_row32_pairs(const float *x, int64_t nb, xpair32 *out)
+static void quantize_row16(int64_t type, const float *x, int64_t nb, xblock16 *out)
 {
-    const int64_t np = (nb + 1) / 2;
-    float *sums = (float *)(out + np);
-    for (int64_t p = 0; p < np; ++p)
-        for (int h = 0; h < 2; ++h) {
-            const int64_t b = 2 * p + h;
-            float d = 0.0f;
-            if (b < nb) {
-                d = quantize_q8(x + 32 * b, 32, out[p].q + 32 * h);
-                sums[b] = d * (float)sum_q8(out[p].q + 32 * h, 32);
-            } else
-                memset(out[p].q + 32 * h, 0, 32);
-            for (int l = 0; l < 8; ++l) out[p].d[8 * h + l] = d;
-        }
-    for (int64_t b = nb; b < round16(nb); ++b) sums[b] = 0.0f;
+    const int32_t c = type == Q4_0 ? -8 : type == Q8_0 ? -128 : 0;
+    for (int64_t b = 0; b < nb; ++b) {
+        out[b].d = quantize_q8(x + 32 * b, 32, out[b].q);
+        const int sum = sum_q8(out[b].q, 32);
+        out[b].s = out[b].d * (float)sum;
+        out[b].c = c * sum;
+        out[b].pad = 0;
+    }
 }
 
 static void quantize_rowk(const float *x, int64_t nb, xblockk *out)
@@ -360,7 +350,7 @@ static int64_t xrow_bytes(int64_t type, int64_t k, int simd)
     const int qb = block_values(type);
     const int64_t nb = k / qb;
     if (qb == 256) return nb * (int64_t)sizeof(xblockk);
-    if (simd && QUANT_ISA == 3) return (nb + 1) / 2 * (int64_t)sizeof(xpair32) + round16(nb) * 4;
+    if (simd && QUANT_ISA == 3) return nb * (int64_t)sizeof(xblock16);
     return nb * (int64_t)sizeof(xblock32);
 }
 
@@ -370,7 +360,7 @@ static void quantize_row(int64_t type, const float *x, int64_t k, int simd, void
     if (qb == 256)
         quantize_rowk(x, k / 256, (xblockk *)out);
     else if (simd && QUANT_ISA == 3)
-        quantize_row32_pairs(x, k / 32, (xpair32 *)out);
+        quantize_row16(type, x, k / 32, (xblock16 *)out);
     else
         quantize_row32(x, k / 32, (xblock32 *)out);
 }
@@ -505,76 +495,188 @@ static int matmul_portable(int64_t type, const uint8_t *w, int64_t o0, int64_t o
 /* AVX-512 VNNI path                                                                                */
 #if QUANT_ISA == 3
 
-#define R_TILE 8 /* rows per tile */
+#define R_TILE 8 /* rows per tile (K types) */
+#define R16 8    /* rows per tile (32-value types) */
 
-/* Blocks b0, b1 of a 32-value type: the quants as unsigned bytes (Q4_0, Q4_1: the nibbles; Q8_0:
- * q + 128), d broadcast over each block's 8 lanes of the dot products, and at off[0], off[1] the
- * offset of each block's values (value = d * u + offset: m for Q4_1, -8d for Q4_0, -128d for Q8_0). */
-INLINE void decode_pair32(const int type, const uint8_t *b0, const uint8_t *b1, __m512i *wq, __m512 *dw, float *off)
+/* The 32-value types, 16 output columns at a time: the same block of 16 weight rows decoded into
+ * one tile of 8 vectors, vector s holding quants [4s, 4s + 4) of the 16 rows (row r in 32-bit lane
+ * r), as unsigned bytes (Q4_0, Q4_1: the nibbles; Q8_0: q + 128), and the rows' scales d (and Q4_1's
+ * mins m) as vectors. A row of x then takes 8 vpdpbusd per block, each with 4 of its quants
+ * broadcast, for the 16 columns' integer dot products (started at x's offset term c, which takes out
+ * Q4_0's 8 and Q8_0's 128 exactly), one conversion and two multiply-adds: y += float(dot) * (d * x.d)
+ * (+ m * x.s for Q4_1). Every column is one lane of these vectors, whatever the rows of x, the tile
+ * or the thread. */
+typedef struct {
+    __m512i q[8];
+    __m512 d, m;
+} wtile16;
+
+/* T[s] (s < 4), 32-bit lane r: the 32-bit word s of the 16 bytes at p + r * rb, for r < 16. */
+INLINE void transpose16x4(const uint8_t *p, int64_t rb, __m512i T[4])
 {
-    uint32_t h0, h1;
-    memcpy(&h0, b0, 4);
-    memcpy(&h1, b1, 4);
-    const __m128 dm = _mm_cvtph_ps(_mm_setr_epi32((int)h0, (int)h1, 0, 0)); /* d0, m0, d1, m1 (m: Q4_1) */
-    *dw = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
-                                _mm512_castps128_ps512(dm));
-    if (type == Q4_1)
-        _mm_storel_pi((__m64 *)off, _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 1, 3, 1)));
-    else
-        _mm_storel_pi((__m64 *)off, _mm_mul_ps(_mm_shuffle_ps(dm, dm, _MM_SHUFFLE(2, 0, 2, 0)),
-                                               _mm_set1_ps(type == Q8_0 ? -128.0f : -8.0f)));
+    __m512i z[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) { /* 128-bit lane l of z[j]: row 4l + j */
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + j * rb)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + (4 + j) * rb)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + (8 + j) * rb)), 2);
+        z[j] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + (12 + j) * rb)), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    T[0] = _mm512_unpacklo_epi64(t0, t2);
+    T[1] = _mm512_unpackhi_epi64(t0, t2);
+    T[2] = _mm512_unpacklo_epi64(t1, t3);
+    T[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* The tile of the blocks at p + r * rb (r < 16); ``rows`` holds r * rb in lane r. Prefetches the
+ * 16 * (block bytes) at pf: the next group's rows are read one block of each at a time, 16 streams
+ * that the hardware prefetchers do not follow well, so each block of a group fetches the same share
+ * of the next group's bytes (contiguous). */
+INLINE void decode_tile16(const int type, const uint8_t *p, int64_t rb, __m512i rows, wtile16 *t, const uint8_t *pf)
+{
+    const int bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+    for (int off = 0; off < 16 * bb; off += 64) _mm_prefetch((const char *)pf + off, _MM_HINT_T0);
+    const __m512i head = _mm512_i32gather_epi32(rows, p, 1); /* d, and m for Q4_1 */
+    t->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    t->m = type == Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))) : _mm512_setzero_ps();
+    __m512i T[4];
     if (type == Q8_0) {
-        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b0 + 2));
-        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b1 + 2));
-        *wq = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), _mm512_set1_epi8((char)0x80));
+        const __m512i sign = _mm512_set1_epi8((char)0x80);
+        transpose16x4(p + 2, rb, T);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) t->q[s] = _mm512_xor_si512(T[s], sign);
+        transpose16x4(p + 18, rb, T);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) t->q[4 + s] = _mm512_xor_si512(T[s], sign);
     } else {
-        const int o = type == Q4_1 ? 4 : 2;
-        /* [qs0, qs0, qs1, qs1], the second copy of each shifted to its high nibbles */
-        const __m512i z = _mm512_mask_broadcast_i32x4(
-            _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + o))), 0xFF00,
-            _mm_loadu_si128((const __m128i *)(b1 + o)));
-        *wq = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(15));
+        const __m512i m0f = _mm512_set1_epi8(15);
+        transpose16x4(p + (type == Q4_1 ? 4 : 2), rb, T);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) {
+            t->q[s] = _mm512_and_si512(T[s], m0f);
+            t->q[4 + s] = _mm512_and_si512(_mm512_srli_epi16(T[s], 4), m0f);
+        }
     }
 }
 
-/* R rows of x (rows of pair records ``xstride`` bytes apart) times weight rows [0, n) of a 32-value
- * type (``row_bytes`` apart): y[i * ldy + o]. ``off`` is scratch for round16(nb + 1) floats, zero
- * past nb + 1. Per pair of blocks, weight row and row of x: one vpdpbusd, its conversion and one
- * multiply-add by the product of the scales; the offsets' terms (offset * d * sum of x's quants,
- * per block) are summed 16 blocks at a time at the end. */
-INLINE void cols32_avx512(const int R, const int type, const uint8_t *w, int64_t row_bytes, int64_t n, float *y,
-                          int64_t ldy, int64_t nb, const uint8_t *x, int64_t xstride, float *off)
+/* R rows of x (block records, ``xs`` blocks apart) times the 16 weight rows at w (``rb`` bytes apart,
+ * ``rows`` as above) over nb blocks, into y[i * ldy + lane] for the lanes in ``mask``; the tiles are
+ * decoded block by block here, or taken from ``tiles`` (decoded by decode_tile16). */
+INLINE void cols16_avx512(const int R, const int type, const int from_tiles, const uint8_t *w, int64_t rb,
+                          __m512i rows, const uint8_t *next, const wtile16 *tiles, int64_t nb, const xblock16 *x,
+                          int64_t xs, float *y, int64_t ldy, __mmask16 mask)
 {
     const int bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
-    const int64_t np = (nb + 1) / 2;
-    for (int64_t o = 0; o < n; ++o) {
-        const uint8_t *wrow = w + o * row_bytes;
-        __m512 acc[R_TILE];
+    __m512 acc[R16];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        wtile16 t;
+        if (from_tiles)
+            t = tiles[b];
+        else
+            decode_tile16(type, w + b * bb, rb, rows, &t, next + 16 * bb * b);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const xblock16 *xb = x + i * xs + b;
+            int32_t xq[8];
+            memcpy(xq, xb->q, 32);
+            __m512i dot = type == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xb->c);
 #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < np; ++p) {
-            const uint8_t *b0 = wrow + 2 * p * bb, *b1 = 2 * p + 1 < nb ? b0 + bb : b0; /* x is 0 past the end */
-            __m512i wq;
-            __m512 dw;
-            decode_pair32(type, b0, b1, &wq, &dw, off + 2 * p);
-#pragma GCC unroll 8
-            for (int i = 0; i < R; ++i) {
-                const xpair32 *xp = (const xpair32 *)(x + i * xstride) + p;
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(xp->q));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_loadu_ps(xp->d)), acc[i]);
-            }
+            for (int s = 0; s < 8; ++s) dot = _mm512_dpbusd_epi32(dot, t.q[s], _mm512_set1_epi32(xq[s]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(t.d, _mm512_set1_ps(xb->d)), acc[i]);
+            if (type == Q4_1) acc[i] = _mm512_fmadd_ps(t.m, _mm512_set1_ps(xb->s), acc[i]);
         }
-        for (int64_t g = 0; g < round16(nb); g += 16) {
-            const __m512 ov = _mm512_loadu_ps(off + g);
-#pragma GCC unroll 8
-            for (int i = 0; i < R; ++i) {
-                const float *sums = (const float *)((const xpair32 *)(x + i * xstride) + np);
-                acc[i] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(sums + g), acc[i]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) y[i * ldy + o] = _mm512_reduce_add_ps(acc[i]);
     }
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
+}
+
+#define COLS16_R(T, F, R) \
+    case R: cols16_avx512(R, T, F, w, rb, rows, next, tiles, nb, x, xs, y, ldy, mask); break;
+#define COLS16_ROWS(T, F)                                                                        \
+    switch (nrows) {                                                                             \
+        COLS16_R(T, F, 1) COLS16_R(T, F, 2) COLS16_R(T, F, 3) COLS16_R(T, F, 4) COLS16_R(T, F, 5) \
+        COLS16_R(T, F, 6) COLS16_R(T, F, 7) COLS16_R(T, F, 8) default: break;                    \
+    }
+
+/* ``nrows`` (<= R16) rows of x times 16 weight rows (see cols16_avx512). */
+static __attribute__((noinline)) void tile16(int nrows, int64_t type, int from_tiles, const uint8_t *w, int64_t rb,
+                                             __m512i rows, const uint8_t *next, const wtile16 *tiles, int64_t nb,
+                                             const xblock16 *x, int64_t xs, float *y, int64_t ldy, __mmask16 mask)
+{
+    switch (type * 2 + (from_tiles != 0)) {
+        case 2 * Q4_0: COLS16_ROWS(Q4_0, 0) break;
+        case 2 * Q4_0 + 1: COLS16_ROWS(Q4_0, 1) break;
+        case 2 * Q4_1: COLS16_ROWS(Q4_1, 0) break;
+        case 2 * Q4_1 + 1: COLS16_ROWS(Q4_1, 1) break;
+        case 2 * Q8_0: COLS16_ROWS(Q8_0, 0) break;
+        case 2 * Q8_0 + 1: COLS16_ROWS(Q8_0, 1) break;
+        default: break;
+    }
+}
+
+static __attribute__((noinline)) void decode_tiles16(int64_t type, const uint8_t *w, int64_t rb, __m512i rows,
+                                                     const uint8_t *next, int64_t nb, wtile16 *tiles)
+{
+    const int bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+    switch (type) {
+        case Q4_0:
+            for (int64_t b = 0; b < nb; ++b) decode_tile16(Q4_0, w + b * bb, rb, rows, tiles + b, next + 16 * bb * b);
+            break;
+        case Q4_1:
+            for (int64_t b = 0; b < nb; ++b) decode_tile16(Q4_1, w + b * bb, rb, rows, tiles + b, next + 16 * bb * b);
+            break;
+        case Q8_0:
+            for (int64_t b = 0; b < nb; ++b) decode_tile16(Q8_0, w + b * bb, rb, rows, tiles + b, next + 16 * bb * b);
+            break;
+        default: break;
+    }
+}
+
+/* Columns [o0, o1) of y (o0 a multiple of 16) for a 32-value type: per group of 16 weight rows
+ * (the last one zero-padded in a copy when n is not a multiple of 16), up to R16 rows of x with the
+ * tiles decoded on the way, or, for more rows, the group's tiles decoded once into scratch and every
+ * tile of rows of x taken over them. Returns 0 or ERR_MEMORY. */
+static int matmul_cols16(int64_t type, const uint8_t *w, int64_t o0, int64_t o1, int64_t k, const uint8_t *xq,
+                         int64_t xstride, int64_t m, float *y, int64_t ldy)
+{
+    const int64_t nb = k / 32, rb = nb * block_bytes(type), xs = xstride / (int64_t)sizeof(xblock16);
+    const xblock16 *x = (const xblock16 *)xq;
+    wtile16 *tiles = NULL;
+    uint8_t *pad = NULL;
+    if (m > R16 && (tiles = aligned_alloc(64, (size_t)nb * sizeof(wtile16))) == NULL) return ERR_MEMORY;
+    if ((o1 - o0) % 16 && (pad = calloc(16, (size_t)rb)) == NULL) {
+        free(tiles);
+        return ERR_MEMORY;
+    }
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rb));
+    const int64_t ntiles = (m + R16 - 1) / R16;
+    for (int64_t o = o0; o < o1; o += 16) {
+        const uint8_t *wg = w + o * rb, *next = o + 16 < o1 ? wg + 16 * rb : wg; /* to prefetch */
+        const int64_t nc = o1 - o < 16 ? o1 - o : 16;
+        if (nc < 16) {
+            memcpy(pad, wg, (size_t)(nc * rb));
+            wg = pad;
+        }
+        const __mmask16 mask = (__mmask16)((1u << nc) - 1);
+        if (tiles == NULL)
+            tile16((int)m, type, 0, wg, rb, rows, next, NULL, nb, x, xs, y + o, ldy, mask);
+        else {
+            decode_tiles16(type, wg, rb, rows, next, nb, tiles);
+            for (int64_t t = 0; t < ntiles; ++t) {
+                const int64_t r0 = m * t / ntiles, r1 = m * (t + 1) / ntiles; /* balanced tile sizes */
+                tile16((int)(r1 - r0), type, 1, wg, rb, rows, next, tiles, nb, x + r0 * xs, xs, y + r0 * ldy + o, ldy,
+                       mask);
+            }
+        }
+    }
+    free(pad);
+    free(tiles);
+    return 0;
 }
 
 /* A K block decoded for 64-value chunks: quants (unsigned), the 16-bit scale of each pair of values
@@ -690,10 +792,10 @@ INLINE void colsk_avx512(const int R, const int type, const uint8_t *w, int64_t 
         TILE_R(F, T, 7, __VA_ARGS__) TILE_R(F, T, 8, __VA_ARGS__) default: break;              \
     }
 
-/* Scratch floats a thread needs for a weight of k values. */
 static int64_t simd_scratch_floats(int64_t k)
 {
-    return round16(k / 32 + 1);
+    (void)k;
+    return 0;
 }
 
 /* ``rows`` rows of x times ``n`` weight rows from ``w``. */
@@ -701,12 +803,10 @@ static __attribute__((noinline)) void tile_simd(int rows, int64_t type, const ui
                                                 int64_t n, int64_t k, const uint8_t *x, int64_t xstride, float *y,
                                                 int64_t ldy, float *scratch)
 {
+    (void)scratch;
     const xblockk *xk = (const xblockk *)x;
     const int64_t sk = xstride / (int64_t)sizeof(xblockk);
     switch (type) {
-        case Q4_0: TILE_ROWS(cols32_avx512, Q4_0, ldy, k / 32, x, xstride, scratch) break;
-        case Q4_1: TILE_ROWS(cols32_avx512, Q4_1, ldy, k / 32, x, xstride, scratch) break;
-        case Q8_0: TILE_ROWS(cols32_avx512, Q8_0, ldy, k / 32, x, xstride, scratch) break;
         case Q4_K: TILE_ROWS(colsk_avx512, Q4_K, ldy, k / 256, xk, sk) break;
         case Q5_K: TILE_ROWS(colsk_avx512, Q5_K, ldy, k / 256, xk, sk) break;
         case Q6_K: TILE_ROWS(colsk_avx512, Q6_K, ldy, k / 256, xk, sk) break;
@@ -990,9 +1090,17 @@ static int64_t quant_matmul(int64_t type, const void *w, int64_t n, int64_t k, c
         for (int64_t i = 0; i < m; ++i) quantize_row(type, x + i * ldx, k, simd, xq + i * xstride);
         /* (the loop's barrier: every row is quantized before any product starts) */
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t o0 = n * t / nt, o1 = n * (t + 1) / nt;
+        /* (AVX-512, 32-value types: ranges of whole groups of 16 columns) */
+        const int64_t unit = QUANT_ISA == 3 && simd && qb == 32 ? 16 : 1, units = (n + unit - 1) / unit;
+        const int64_t u0 = unit * (units * t / nt), u1 = unit * (units * (t + 1) / nt);
+        const int64_t o0 = u0 < n ? u0 : n, o1 = u1 < n ? u1 : n;
         if (o1 > o0) {
             int rc;
+#if QUANT_ISA == 3
+            if (simd && qb == 32)
+                rc = matmul_cols16(type, (const uint8_t *)w, o0, o1, k, xq, xstride, m, y, ldy);
+            else
+#endif
 #if QUANT_ISA > 0
             if (simd)
                 rc = matmul_simd(type, (const uint8_t *)w, o0, o1, k, xq, xstride, m, y, ldy);
