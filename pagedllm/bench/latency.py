@@ -12,7 +12,8 @@ EOS ignored. Two figures per run:
 
 Each system runs ``--repeats`` times (default 3) after an untimed warm-up request and reports the
 median of each figure (and how many leading greedy tokens the two systems' outputs share, a check that
-they run the same model). The engine's prefix cache is emptied before every run, so no run reuses the
+they run the same model, and the CPU cores the process used over the timed runs: well below the thread
+count means other processes took the cores, and the figures are not to be trusted on a shared machine). The engine's prefix cache is emptied before every run, so no run reuses the
 previous one's prompt. With ``--baseline llama.cpp`` llama.cpp runs the same prompt on the engine's
 GGUF file (the default model unless ``--model`` names another) in the same process, after the engine,
 with the same thread count (``--threads``, else torch's default), and the ratios engine / llama.cpp
@@ -81,12 +82,26 @@ def engine_latency(engine: LLMEngine, prompt: list[int], output_len: int, reques
     return LatencySample(len(prompt), first - start, last - first, tokens)
 
 
-def summarize(samples: list[LatencySample]) -> dict[str, Any]:
+class CpuUse:
+    """CPU seconds of this process (all its threads) per wall-clock second since construction: close to
+    the thread count while the threads had the cores to themselves, lower when other processes took
+    CPU time from them (their figures then understate the system's speed)."""
+
+    def __init__(self) -> None:
+        self.cpu = time.process_time()
+        self.wall = time.perf_counter()
+
+    def cores(self) -> float:
+        return (time.process_time() - self.cpu) / max(time.perf_counter() - self.wall, 1e-9)
+
+
+def summarize(samples: list[LatencySample], cpu_use: float | None = None) -> dict[str, Any]:
     """Median (and every run's) prompt and decode speeds of a system's runs."""
     prompt = [s.prompt_tokens_per_s for s in samples]
     decode = [s.decode_tokens_per_s for s in samples]
     return {
         "prompt_tokens_per_s": statistics.median(prompt),
+        "cpu_cores_used": cpu_use,
         "decode_tokens_per_s": statistics.median(decode),
         "ttft_s": statistics.median(s.prompt_s for s in samples),
         "output_tokens": samples[0].output_tokens,
@@ -194,10 +209,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.warmup:
         engine_latency(engine, warm_prompt, 4, "latency-warmup")
+    cpu = CpuUse()
     engine_samples = [
         engine_latency(engine, prompt, args.output_len, f"latency-{i}") for i in range(args.repeats)
     ]
-    systems: dict[str, dict[str, Any]] = {"pagedllm": summarize(engine_samples)}
+    systems: dict[str, dict[str, Any]] = {"pagedllm": summarize(engine_samples, cpu.cores())}
     model_name = engine.model_name
     engine_config = dataclasses.asdict(engine.config)
     device = str(engine.device)
@@ -213,10 +229,12 @@ def _run(args: argparse.Namespace) -> int:
                 with llamacpp.latency_context(model, args.input_len, args.output_len) as ctx:
                     if args.warmup:
                         llamacpp.measure_latency(ctx, warm_prompt, 4)
+                    cpu = CpuUse()
                     llama_samples = [
                         llamacpp.measure_latency(ctx, prompt, args.output_len) for _ in range(args.repeats)
                     ]
-            systems[llamacpp.NAME] = summarize(llama_samples)
+                    cores = cpu.cores()
+            systems[llamacpp.NAME] = summarize(llama_samples, cores)
         except (RuntimeError, ValueError, MemoryError) as exc:
             logger.error("Baseline %s failed: %s", llamacpp.NAME, exc)
             systems[llamacpp.NAME] = {"error": str(exc)}
@@ -282,7 +300,7 @@ def _print_report(
     rows = []
     for name, m in systems.items():
         if "error" in m:
-            rows.append([f"{name} (failed)", None, None, None, None])
+            rows.append([f"{name} (failed)", None, None, None, None, None])
             continue
         rows.append(
             [
@@ -291,10 +309,11 @@ def _print_report(
                 m["ttft_s"] * 1e3,
                 m["decode_tokens_per_s"],
                 m["decode_s_per_token"] * 1e3,
+                m["cpu_cores_used"],
             ]
         )
     print()
-    print(format_table(["system", "prompt tok/s", "TTFT ms", "decode tok/s", "ms/token"], rows))
+    print(format_table(["system", "prompt tok/s", "TTFT ms", "decode tok/s", "ms/token", "CPU cores"], rows))
     for name, m in systems.items():
         if "error" in m:
             print(f"\n{name} failed: {m['error']}")

@@ -419,7 +419,9 @@ def throughput_baseline(
             with batched_context(model, requests, max_num_seqs, max_batch_tokens) as ctx:
                 if warmup:
                     run_batched(ctx, [BenchRequest(list(requests[0].prompt_token_ids[:16]), 4)], 1)
+                cpu = time.process_time()
                 run = run_batched(ctx, requests, max_num_seqs, max_batch_tokens, eos_token_ids)
+                cpu = time.process_time() - cpu
                 system_info = model.system_info()
     except (RuntimeError, ValueError, MemoryError) as exc:
         logger.error("Baseline %s failed: %s", NAME, exc)
@@ -440,6 +442,8 @@ def throughput_baseline(
             "n_ctx": run.n_ctx,
             "max_batch_tokens": run.n_batch,
             "decode_calls": run.num_decode_calls,
+            # CPU seconds of the process per second: well below ``threads`` when other processes ran.
+            "cpu_cores_used": cpu / max(run.elapsed_s, 1e-9),
             "system_info": system_info,
         },
     )

@@ -21,7 +21,8 @@ dtype); llama.cpp's from the logits of every position, log-softmaxed here in flo
 perplexities, the relative difference of the engine's from llama.cpp's, and each one's scored tokens
 per second: for the engine the whole run, all windows queued at once; for llama.cpp the
 ``llama_decode`` calls, one window each, and the copies of their logits (the float64 scoring here is
-left out).
+left out); and the CPU cores each used over its timed part (CPU seconds of the process per second:
+well below the thread count means other processes took the cores).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class PerplexityResult:
     tokens_scored: int
     num_windows: int
     elapsed_s: float
+    cpu_s: float = math.nan  # CPU seconds of the process (all threads) within elapsed_s
 
     @property
     def perplexity(self) -> float:
@@ -124,6 +126,7 @@ class PerplexityResult:
             "num_windows": self.num_windows,
             "elapsed_s": self.elapsed_s,
             "scored_tokens_per_s": self.tokens_scored / max(self.elapsed_s, 1e-9),
+            "cpu_cores_used": self.cpu_s / max(self.elapsed_s, 1e-9),
         }
 
 
@@ -148,6 +151,7 @@ def engine_perplexity(engine: LLMEngine, windows: list[list[int]]) -> Perplexity
     )
     ids = [f"ppl-{i}" for i in range(len(windows))]
     finished: dict[str, Any] = {}
+    cpu = time.process_time()
     start = time.perf_counter()
     try:
         for rid, window in zip(ids, windows, strict=True):
@@ -162,6 +166,7 @@ def engine_perplexity(engine: LLMEngine, windows: list[list[int]]) -> Perplexity
         engine.abort_request([i for i in ids if i not in finished])
         raise
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     nll = 0.0
     for rid, window in zip(ids, windows, strict=True):
         lps = finished[rid].prompt_logprobs
@@ -169,7 +174,7 @@ def engine_perplexity(engine: LLMEngine, windows: list[list[int]]) -> Perplexity
             raise RuntimeError(f"the engine returned no prompt logprobs for {rid}.")
         nll += nll_from_prompt_logprobs(lps, window)
     scored = sum(len(w) - 1 for w in windows)
-    return PerplexityResult("pagedllm", nll, scored, len(windows), elapsed)
+    return PerplexityResult("pagedllm", nll, scored, len(windows), elapsed, cpu)
 
 
 def llamacpp_perplexity(path: str, windows: list[list[int]], threads: int) -> PerplexityResult:
@@ -179,14 +184,16 @@ def llamacpp_perplexity(path: str, windows: list[list[int]], threads: int) -> Pe
         with llamacpp.perplexity_context(model, longest) as ctx:
             llamacpp.window_logits(ctx, windows[0][:8])  # warm-up, untimed
             nll = 0.0
-            elapsed = 0.0
+            elapsed = cpu = 0.0
             for window in windows:
+                cpu -= time.process_time()
                 start = time.perf_counter()
                 logits = llamacpp.window_logits(ctx, window)
                 elapsed += time.perf_counter() - start
+                cpu += time.process_time()
                 nll += nll_from_logits(logits, window)
     scored = sum(len(w) - 1 for w in windows)
-    return PerplexityResult(llamacpp.NAME, nll, scored, len(windows), elapsed)
+    return PerplexityResult(llamacpp.NAME, nll, scored, len(windows), elapsed, cpu)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -324,19 +331,12 @@ def _print_report(results: dict[str, dict[str, Any]], comparison: dict[str, Any]
     rows = []
     for name, r in results.items():
         if "error" in r:
-            rows.append([f"{name} (failed)", None, None, None, None])
+            rows.append([f"{name} (failed)", None, None, None, None, None])
         else:
-            rows.append(
-                [
-                    name,
-                    f"{r['perplexity']:.4f}",
-                    f"{r['mean_nll']:.5f}",
-                    r["elapsed_s"],
-                    r["scored_tokens_per_s"],
-                ]
-            )
+            ppl, nll = f"{r['perplexity']:.4f}", f"{r['mean_nll']:.5f}"
+            rows.append([name, ppl, nll, r["elapsed_s"], r["scored_tokens_per_s"], r["cpu_cores_used"]])
     print()
-    print(format_table(["system", "perplexity", "mean NLL", "time s", "scored tok/s"], rows))
+    print(format_table(["system", "perplexity", "mean NLL", "time s", "scored tok/s", "CPU cores"], rows))
     for name, r in results.items():
         if "error" in r:
             print(f"\n{name} failed: {r['error']}")
