@@ -496,7 +496,7 @@ static int matmul_portable(int64_t type, const uint8_t *w, int64_t o0, int64_t o
 #if QUANT_ISA == 3
 
 #define R_TILE 8 /* rows per tile (K types) */
-#define R16 8    /* rows per tile (32-value types) */
+#define R16 12   /* rows per tile (32-value types; COLS16_ROWS lists them) */
 
 /* The 32-value types, 16 output columns at a time: the same block of 16 weight rows decoded into
  * one tile of 8 vectors, vector s holding quants [4s, 4s + 4) of the 16 rows (row r in 32-bit lane
@@ -510,6 +510,7 @@ typedef struct {
     __m512i q[8];
     __m512 d, m;
 } wtile16;
+typedef int32_t int32_alias __attribute__((may_alias, aligned(4)));
 
 /* T[s] (s < 4), 32-bit lane r: the 32-bit word s of the 16 bytes at p + r * rb, for r < 16. */
 INLINE void transpose16x4(const uint8_t *p, int64_t rb, __m512i T[4])
@@ -581,11 +582,15 @@ INLINE void cols16_avx512(const int R, const int type, const int from_tiles, con
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
             const xblock16 *xb = x + i * xs + b;
-            int32_t xq[8];
-            memcpy(xq, xb->q, 32);
+            const int32_alias *xq = (const int32_alias *)xb->q; /* (broadcast straight from memory) */
             __m512i dot = type == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xb->c);
+            __m512i dot2 = _mm512_setzero_si512(); /* (two chains of vpdpbusd) */
 #pragma GCC unroll 8
-            for (int s = 0; s < 8; ++s) dot = _mm512_dpbusd_epi32(dot, t.q[s], _mm512_set1_epi32(xq[s]));
+            for (int s = 0; s < 8; s += 2) {
+                dot = _mm512_dpbusd_epi32(dot, t.q[s], _mm512_set1_epi32(xq[s]));
+                dot2 = _mm512_dpbusd_epi32(dot2, t.q[s + 1], _mm512_set1_epi32(xq[s + 1]));
+            }
+            dot = _mm512_add_epi32(dot, dot2);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(t.d, _mm512_set1_ps(xb->d)), acc[i]);
             if (type == Q4_1) acc[i] = _mm512_fmadd_ps(t.m, _mm512_set1_ps(xb->s), acc[i]);
         }
@@ -596,10 +601,11 @@ INLINE void cols16_avx512(const int R, const int type, const int from_tiles, con
 
 #define COLS16_R(T, F, R) \
     case R: cols16_avx512(R, T, F, w, rb, rows, next, tiles, nb, x, xs, y, ldy, mask); break;
-#define COLS16_ROWS(T, F)                                                                        \
-    switch (nrows) {                                                                             \
-        COLS16_R(T, F, 1) COLS16_R(T, F, 2) COLS16_R(T, F, 3) COLS16_R(T, F, 4) COLS16_R(T, F, 5) \
-        COLS16_R(T, F, 6) COLS16_R(T, F, 7) COLS16_R(T, F, 8) default: break;                    \
+#define COLS16_ROWS(T, F)                                                                         \
+    switch (nrows) {                                                                              \
+        COLS16_R(T, F, 1) COLS16_R(T, F, 2) COLS16_R(T, F, 3) COLS16_R(T, F, 4) COLS16_R(T, F, 5)  \
+        COLS16_R(T, F, 6) COLS16_R(T, F, 7) COLS16_R(T, F, 8) COLS16_R(T, F, 9) COLS16_R(T, F, 10) \
+        COLS16_R(T, F, 11) COLS16_R(T, F, 12) default: break;                                     \
     }
 
 /* ``nrows`` (<= R16) rows of x times 16 weight rows (see cols16_avx512). */
