@@ -112,7 +112,7 @@ def assert_product_close(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, type_n
 
 
 # (out_features, in_features) with odd counts of rows and blocks: one block, an odd number of
-# blocks (the AVX-512 path takes blocks in pairs), 1 and 5 output rows (tiles take up to 4 columns).
+# blocks, 1 and 5 output rows (AVX2 tiles take up to 4 columns, AVX-512 groups 16).
 SHAPES_32 = [(5, 32), (67, 96), (33, 288)]
 SHAPES_K = [(5, 256), (37, 768), (1, 512)]
 
@@ -157,6 +157,36 @@ def test_rows_are_independent(type_name: str) -> None:
     portable = quant_matmul(x, weight, portable=True)
     assert torch.equal(torch.cat([quant_matmul(x[i : i + 1], weight, portable=True) for i in (0, 7, 299)]),
                        portable[[0, 7, 299]])  # fmt: skip
+
+
+# The AVX-512 path of the 32-value types works on groups of 16 output columns (weight rows), the last
+# one partial (masked) when n is not a multiple of 16, the threads splitting whole groups, and takes
+# up to 12 rows of x with the weight decoded on the way, more in tiles of rows over a decoded copy.
+SHAPES_16 = [(1, 32), (5, 32), (15, 96), (16, 32), (17, 288), (47, 160), (64, 64), (100, 32)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_column_groups(type_name: str) -> None:
+    """n below, at and past multiples of 16, one block, odd block counts; 1 to 300 rows (each tile
+    size of rows and both sides of 12 rows); each row bitwise the same alone and with 1 to 3 threads."""
+    all_rows = [*range(1, 15), 24, 25, 37, 300]
+    for i, (n, k) in enumerate(SHAPES_16):
+        weight, w = random_weight(type_name, n, k, seed=100 + i)
+        x = random_input(300, k, 32, seed=200 + i)
+        full = quant_matmul(x, weight)
+        assert_product_close(full, x, w, type_name)
+        for rows in all_rows:
+            assert torch.equal(quant_matmul(x[:rows], weight), full[:rows]), (n, k, rows)
+        assert torch.equal(quant_matmul(x[299:], weight), full[299:])
+        threads = torch.get_num_threads()
+        try:
+            for count in (1, 3):
+                torch.set_num_threads(count)
+                assert torch.equal(quant_matmul(x, weight), full), (n, k, count)
+                assert torch.equal(quant_matmul(x[:5], weight), full[:5]), (n, k, count)
+        finally:
+            torch.set_num_threads(threads)
 
 
 @needs_kernels

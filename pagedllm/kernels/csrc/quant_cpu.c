@@ -23,20 +23,24 @@
  * once, as stored (4.5 to 8.5 bits a value), and never expanded to float.
  *
  * Three paths, chosen when the file is compiled:
- * - AVX-512 with VNNI (+BW, VL): two 32-value blocks, or 64 values of a K block, per 512-bit vector;
- *   unsigned quants times signed x with vpdpbusd (Q8_0's signed quants offset by 128, the offset taken
- *   out with x's block sums, as Q4_0's 8 and Q4_1's min are); K sub-block scales applied in 16 bits
- *   with vpmaddubsw + vpdpwssd.
+ * - AVX-512 with VNNI (+BW, VL): the 32-value types 16 output columns at a time, one per 32-bit lane:
+ *   a block of 16 weight rows decoded once into 8 vectors of 16 rows x 4 quants (unsigned: Q4_0 and
+ *   Q4_1 the nibbles, Q8_0 q + 128), each vpdpbusd'd with 4 of x's quants broadcast, so 8 vpdpbusd
+ *   and 2-3 float operations per block make 512 multiply-adds (the offsets taken out with x's block
+ *   sums: Q4_0's 8 and Q8_0's 128 exactly in integers, Q4_1's min in float). K types: 64 values of
+ *   a block per 512-bit vector, sub-block scales applied in 16 bits with vpmaddubsw + vpdpwssd.
  * - AVX2 (+FMA): one 32-value block per 256-bit vector; vpmaddubsw + vpmaddwd, or the 256-bit VNNI
  *   instructions where AVX-VNNI is there (Q8_0 through the sign trick, so that no pair sum saturates).
  * - Portable C: each weight row decoded once to int8, then plain integer loops (any CPU).
  * quant_matmul_f32_portable always takes the portable path, so that it is tested on any machine.
  *
- * The threads split the output columns (weight rows) into contiguous ranges. A product's rows are
- * taken in tiles (up to 8 rows with AVX-512, 4 with AVX2), each weight block decoded once per tile;
- * every output element is one row's sum over the blocks, in the same order and with the same
- * operations whatever the tile, so a row's result does not depend on the batch it is in (nor on the
- * thread count). quant_dequantize_f32 expands rows of a weight to float32 exactly as gguf's NumPy
+ * The threads split the output columns (weight rows) into contiguous ranges (AVX-512, 32-value types:
+ * of whole groups of 16). A product's rows are taken in tiles (up to 12 rows with AVX-512's 32-value
+ * path, 8 with its K path, 4 with AVX2), each weight block decoded once per tile (or, past 12 rows,
+ * once per group of 16 columns); every output element is one row's sum over the blocks, in the same
+ * order and with the same operations (in its own vector lane) whatever the tile, so a row's result
+ * does not depend on the batch it is in (nor on the thread count), on every path and at every row
+ * count. quant_dequantize_f32 expands rows of a weight to float32 exactly as gguf's NumPy
  * reference does (same operations, same rounding: bitwise equal), for products of many rows.
  */
 #include <math.h>
