@@ -177,9 +177,18 @@ def engine_perplexity(engine: LLMEngine, windows: list[list[int]]) -> Perplexity
     return PerplexityResult("pagedllm", nll, scored, len(windows), elapsed, cpu)
 
 
-def llamacpp_perplexity(path: str, windows: list[list[int]], threads: int) -> PerplexityResult:
-    """Score every window with llama.cpp's logits of every position (float64 log-softmax here)."""
+def llamacpp_perplexity(
+    path: str, windows: list[list[int]], threads: int, bos_token_id: int | None = None
+) -> PerplexityResult:
+    """Score every window with llama.cpp's logits of every position (float64 log-softmax here);
+    ``bos_token_id`` is the one the windows start with, if any (checked against llama.cpp's vocabulary)."""
     with llamacpp.LlamaCppModel(path, threads) as model:
+        if model.add_bos != (bos_token_id is not None):
+            logger.warning(
+                "llama.cpp's vocabulary says add_bos=%s, the model's tokenizer the opposite; both score "
+                "the same windows, which follow the tokenizer.",
+                model.add_bos,
+            )
         longest = max(len(w) for w in windows)
         with llamacpp.perplexity_context(model, longest) as ctx:
             llamacpp.window_logits(ctx, windows[0][:8])  # warm-up, untimed
@@ -287,7 +296,7 @@ def _run(args: argparse.Namespace) -> int:
     del engine
     if gguf is not None:
         try:
-            results[llamacpp.NAME] = llamacpp_perplexity(gguf, windows, threads).as_dict()
+            results[llamacpp.NAME] = llamacpp_perplexity(gguf, windows, threads, bos).as_dict()
         except (RuntimeError, ValueError, MemoryError) as exc:
             logger.error("Baseline %s failed: %s", llamacpp.NAME, exc)
             results[llamacpp.NAME] = {"name": llamacpp.NAME, "error": str(exc)}
