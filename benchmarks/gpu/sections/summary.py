@@ -197,6 +197,6 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(("serve", "server ms per step", fmt(sv["server"]["ms_per_step"], 2)))
     else:
         rows.append(("serve", "status", status(sv)))
-    rows.append(("overall", "checks", "passed" if results.get("passed") else "FAILED"))
     rows += quantization.summary_rows(results.get("quantization"))
+    rows.append(("overall", "checks", "passed" if results.get("passed") else "FAILED"))
     return rows
