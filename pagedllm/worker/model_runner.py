@@ -113,15 +113,14 @@ class ModelRunner:
             count = quantize_float_linears(self.model, quantization, device)
             logger.info("Weight-only %s: %d linear layers quantized.", quantization, count)
         if device.type == "cpu" and dtype == torch.bfloat16:
-            if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():
-                logger.info(
-                    "bfloat16 on the CPU: torch's kernels (AVX-512 BF16); the native ones are float32."
-                )
-            else:
-                logger.warning(
-                    "This CPU has no AVX-512 BF16: bfloat16 runs through torch's emulated kernels, slower "
-                    "than dtype='float32'."
-                )
+            hardware = (
+                "AVX-512 BF16" if "avx512_bf16" in cpu_flags() else "emulated: this CPU has no AVX-512 BF16"
+            )
+            logger.warning(
+                "bfloat16 on the CPU runs through torch's kernels (%s); the native kernels are float32, and "
+                "dtype='float32' is several times faster.",
+                hardware,
+            )
         if device.type == "cpu":
             logger.info("CPU linear layers: %s weights", optimize_cpu_linears(self.model))
             keep_freed_memory()

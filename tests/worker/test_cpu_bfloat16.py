@@ -1,11 +1,14 @@
 """bfloat16 on the CPU (``dtype="bfloat16"``, ``quantization="none"``): weights and KV cache are held in
 bfloat16 and the greedy tokens follow the float32 engine's by the top-5 rule (each token is among the
-float32 engine's five most likely at that step, given the same prefix)."""
+float32 engine's five most likely at that step, given the same prefix). They run through torch's
+kernels, with a warning: the native CPU kernels are float32."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import pytest
 import torch
 
 from pagedllm import SamplingParams
@@ -13,8 +16,14 @@ from pagedllm import SamplingParams
 PROMPTS = ["The capital of France is", "def add(a, b):", "Water boils at"]
 
 
-def test_bfloat16_weights_and_cache_follow_float32(make_llm: Any, float_llm: Any) -> None:
-    llm = make_llm(dtype="bfloat16", quantization="none", num_kv_blocks=64, max_model_len=512)
+def test_bfloat16_weights_and_cache_follow_float32(
+    make_llm: Any, float_llm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        llm = make_llm(dtype="bfloat16", quantization="none", num_kv_blocks=64, max_model_len=512)
+    # Not the native kernels: the user is told, and told what is faster.
+    assert "bfloat16 on the CPU runs through torch's kernels" in caplog.text
+    assert "dtype='float32' is several times faster" in caplog.text
     runner = llm.llm_engine.runner
     assert runner.kv_cache.storage.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in runner.model.parameters())
