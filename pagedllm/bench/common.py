@@ -3,19 +3,23 @@ JSON output."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import json
+import logging
 import math
 import os
 import platform
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from pagedllm.config import EngineConfig
 
 
 def machine_info(device: torch.device | None = None) -> dict[str, Any]:
@@ -209,3 +213,51 @@ def set_num_threads(num_threads: int | None) -> None:
         if num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {num_threads}.")
         torch.set_num_threads(num_threads)
+
+
+def add_run_args(
+    parser: argparse.ArgumentParser, *, llama_cpp_threads: bool = False, warmup: bool = False
+) -> None:
+    """The ``run`` group (threads, ``--warmup``, ``--output-json``, ``--log-level``) and the engine
+    arguments, shared by the benchmark commands that run the engine in-process."""
+    group = parser.add_argument_group("run")
+    if llama_cpp_threads:
+        group.add_argument(
+            "--num-threads",
+            "--threads",
+            dest="num_threads",
+            type=int,
+            default=None,
+            help="torch intra-op threads, and llama.cpp's threads (default: torch's default).",
+        )
+    else:
+        group.add_argument(
+            "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's default)."
+        )
+    if warmup:
+        group.add_argument(
+            "--warmup",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Run a short untimed request first on each system (default on).",
+        )
+    group.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
+    group.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="Log level of the engine (default warning).",
+    )
+    EngineConfig.add_cli_args(parser.add_argument_group("engine"))  # type: ignore[arg-type]
+
+
+def run_at_log_level(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]) -> int:
+    """``body(args)`` with the engine's logger at ``args.log_level`` (restored afterwards)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine_logger = logging.getLogger("pagedllm")
+    previous_level = engine_logger.level
+    engine_logger.setLevel(args.log_level.upper())
+    try:
+        return body(args)
+    finally:
+        engine_logger.setLevel(previous_level)

@@ -34,11 +34,13 @@ import torch
 
 from pagedllm.bench import llamacpp
 from pagedllm.bench.common import (
+    add_run_args,
     format_table,
     machine_info,
     now_iso,
     peak_rss_mib,
     ratio,
+    run_at_log_level,
     set_num_threads,
     write_json,
 )
@@ -146,35 +148,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=[llamacpp.NAME],
         help="Also measure llama.cpp on the same GGUF file, prompt and threads (needs the llamacpp extra).",
     )
-    group = parser.add_argument_group("run")
-    group.add_argument(
-        "--num-threads",
-        "--threads",
-        dest="num_threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads, and llama.cpp's threads (default: torch's default).",
-    )
-    group.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
-    group.add_argument(
-        "--log-level",
-        default="warning",
-        choices=["debug", "info", "warning", "error"],
-        help="Log level of the engine (default warning).",
-    )
-    engine_group = parser.add_argument_group("engine")
-    EngineConfig.add_cli_args(engine_group)  # type: ignore[arg-type]
+    add_run_args(parser, llama_cpp_threads=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine_logger = logging.getLogger("pagedllm")
-    previous_level = engine_logger.level
-    engine_logger.setLevel(args.log_level.upper())
-    try:
-        return _run(args)
-    finally:
-        engine_logger.setLevel(previous_level)
+    return run_at_log_level(args, _run)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -33,12 +33,14 @@ import torch
 from pagedllm.bench import baselines as baselines_module
 from pagedllm.bench import llamacpp
 from pagedllm.bench.common import (
+    add_run_args,
     distribution,
     format_table,
     machine_info,
     now_iso,
     peak_rss_mib,
     ratio,
+    run_at_log_level,
     set_num_threads,
     write_json,
 )
@@ -289,25 +291,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "engine's timed run, and report throughput as a fraction of it: on a shared machine whose speed "
         "drifts, the two measurements then see the same conditions.",
     )
-    group = parser.add_argument_group("run")
-    group.add_argument(
-        "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's default)."
-    )
-    group.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Run a short untimed request first on each system (default on).",
-    )
-    group.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
-    group.add_argument(
-        "--log-level",
-        default="warning",
-        choices=["debug", "info", "warning", "error"],
-        help="Log level of the engine (default warning).",
-    )
-    engine_group = parser.add_argument_group("engine")
-    EngineConfig.add_cli_args(engine_group)  # type: ignore[arg-type]
+    add_run_args(parser, warmup=True)
 
 
 def _engine_summary(metrics: dict[str, Any]) -> str:
@@ -323,14 +307,7 @@ def _engine_summary(metrics: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine_logger = logging.getLogger("pagedllm")
-    previous_level = engine_logger.level
-    engine_logger.setLevel(args.log_level.upper())
-    try:
-        return _run(args)
-    finally:
-        engine_logger.setLevel(previous_level)
+    return run_at_log_level(args, _run)
 
 
 def _run(args: argparse.Namespace) -> int:

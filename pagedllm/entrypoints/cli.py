@@ -13,7 +13,7 @@ import sys
 SUBCOMMANDS = {
     "serve": ("pagedllm.entrypoints.openai.api_server", "Start the OpenAI-compatible HTTP server."),
     "generate": ("pagedllm.entrypoints.generate_cli", "Generate a completion and stream it to stdout."),
-    "bench": ("pagedllm.bench.cli", "Benchmarks: throughput, serve, roofline."),
+    "bench": ("pagedllm.bench.cli", "Benchmarks: throughput, latency, perplexity, serve, step, roofline."),
 }
 
 
