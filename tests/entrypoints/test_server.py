@@ -538,7 +538,8 @@ def _stream_in_thread(srv: RemoteServer, body: dict[str, Any], out: dict[str, An
 @pytest.mark.slow
 def test_queue_limit(guarded_server: RemoteServer) -> None:
     srv = guarded_server
-    body = {"prompt": "Count:", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    # Long enough (a second or more) for the second request to be seen waiting behind it.
+    body = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
     body["stream_options"] = {"include_usage": True}
     first: dict[str, Any] = {}
     assert _stream_in_thread(srv, body, first).wait(60)
@@ -552,7 +553,7 @@ def test_queue_limit(guarded_server: RemoteServer) -> None:
     for out in (first, second):
         out["thread"].join(60)
         assert "error" not in out and out["status"] == 200
-    assert first["usage"]["completion_tokens"] == 20 and second["usage"]["completion_tokens"] == 2
+    assert first["usage"]["completion_tokens"] == 400 and second["usage"]["completion_tokens"] == 2
     assert srv.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
@@ -560,7 +561,8 @@ def test_queue_limit(guarded_server: RemoteServer) -> None:
 def test_sigterm_drains_in_flight_request(guarded_server: RemoteServer) -> None:
     srv = guarded_server
     out: dict[str, Any] = {}
-    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    # Long enough (a second or more) to be still running when the signal arrives.
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     body["stream_options"] = {"include_usage": True}
     assert _stream_in_thread(srv, body, out).wait(60)
     srv.terminate()
@@ -574,7 +576,7 @@ def test_sigterm_drains_in_flight_request(guarded_server: RemoteServer) -> None:
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     out["thread"].join(60)
     assert "error" not in out, out
-    assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 24
+    assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 400
     assert srv.wait(30) == 0, srv.log_tail()
 
 
