@@ -23,7 +23,8 @@ class EngineConfig:
     ``quantization`` is how weights are held: ``auto`` (a GGUF file's quantized tensors stay in their
     blocks, a safetensors checkpoint as stored), ``none`` (every weight dequantized to ``dtype``),
     ``int8`` (weight-only int8 with one scale per output channel, made at load from float weights) or
-    ``fp8`` (weight-only FP8 per output channel, on a CUDA device).
+    ``fp8`` (weight-only FP8 per output channel, on a CUDA device). ``chat_template`` (a Jinja template,
+    or the path of a file holding one) replaces the model's chat template.
     """
 
     model: str | None = None
@@ -45,6 +46,7 @@ class EngineConfig:
     max_logprobs: int = 20
     async_scheduling: bool | None = None
     quantization: str = "auto"
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -12,6 +12,7 @@ The cache root is ``$PAGEDLLM_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/pagedll
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -121,3 +122,33 @@ def tokenizer_eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if isinstance(eos, int):
         return [eos]
     return [int(i) for i in eos]
+
+
+def with_chat_template(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None
+) -> PreTrainedTokenizerBase:
+    """``tokenizer`` rendering chats with ``chat_template`` instead of the model's own template.
+
+    ``chat_template`` is a Jinja chat template, or the path of a file holding one (a value naming no
+    file and holding no ``{{`` or ``{%`` is taken for a missing file). The tokenizer is copied
+    (shallowly: the vocabulary is shared), so the original keeps its template. Raises ``ValueError``
+    naming ``chat_template`` for a missing file or a template that does not parse.
+    """
+    if chat_template is None:
+        return tokenizer
+    if os.path.isfile(chat_template):
+        source = Path(chat_template).read_text(encoding="utf-8")
+    elif "{{" in chat_template or "{%" in chat_template:
+        source = chat_template
+    else:
+        raise ValueError(f"chat_template: no such file {chat_template!r} (nor is it a Jinja template).")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(source)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse: {exc} (line {exc.lineno}).") from exc
+    copied = copy.copy(tokenizer)
+    copied.chat_template = source
+    return copied

@@ -20,6 +20,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.quantization import weight_format
+from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -45,7 +46,7 @@ class Executor:
         keep_quantized = weight_format(config.quantization, config.model, self.device, self.dtype)
         ckpt = load_checkpoint(config.model, config.tokenizer, keep_quantized=keep_quantized)
         self.config = config
-        self.tokenizer = ckpt.tokenizer
+        self.tokenizer = with_chat_template(ckpt.tokenizer, config.chat_template)
         self.model_config = ckpt.config
         self.model_name = config.served_model_name or ckpt.name
         model_max = ckpt.config.max_position_embeddings
