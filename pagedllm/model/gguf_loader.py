@@ -272,16 +272,6 @@ def _dequantize_f32(tensor: Any) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def quantized_tensor_types(path: str) -> dict[str, int]:
-    """The quantized (not plain float) tensor types of a GGUF file and how many tensors have each."""
-    counts: dict[str, int] = {}
-    for tensor in open_gguf(path).tensors:
-        name = GGMLQuantizationType(tensor.tensor_type).name
-        if name not in FLOAT_TYPES:
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def load_gguf(
     path: str, keep_quantized: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:

@@ -9,8 +9,9 @@
   channel (:func:`quantize_float_linears`); int8 runs on the CPU as Q8_0 blocks of the quantized
   kernels and on a GPU through :class:`~pagedllm.model.weight_quant.Int8Linear`; fp8 needs a GPU.
 
-:func:`weight_format` checks a combination before anything is loaded and says whether GGUF blocks are
-kept; an impossible combination is a ``ValueError`` naming the field.
+:func:`check_before_loading` and :func:`settle_weights` (on a checkpoint loaded with its GGUF blocks
+kept, so that the file is read once) check a combination; an impossible one is a ``ValueError``
+naming the field.
 """
 
 from __future__ import annotations
@@ -22,46 +23,54 @@ from torch import nn
 
 from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize
 from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
-from pagedllm.model.gguf_loader import quantized_tensor_types
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
-from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.weight_quant import check_fp8_supported, int8_per_channel_q8_0, quantize_linears
 
 logger = logging.getLogger(__name__)
 
 
-def weight_format(method: str, model: str | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """Check ``quantization=method`` against the checkpoint, device and dtype; True when a GGUF file's
-    quantized tensors are to be kept in their blocks. Raises ``ValueError`` naming the field."""
-    kind, path = resolve_model_path(model)
-    gguf_types = quantized_tensor_types(path) if kind == "gguf" else {}
-    types = ", ".join(sorted(gguf_types))
-    if method in ("int8", "fp8") and gguf_types:
-        raise ValueError(
-            f"quantization={method!r} quantizes a float checkpoint, but {path} is already quantized "
-            f"({types}); use quantization='auto' to run its blocks or 'none' to dequantize them."
-        )
-    if method == "fp8":
-        check_fp8_supported(device)
+def check_before_loading(method: str, device: torch.device, dtype: torch.dtype) -> None:
+    """What ``quantization=method`` rules out whatever the checkpoint: ``ValueError`` naming the field."""
     if method == "int8" and device.type == "cpu" and dtype != torch.float32:
         raise ValueError(
             f"quantization='int8' on the CPU runs the quantized kernels, which take float32 activations; "
             f"dtype={_dtype_name(dtype)!r} is not possible with it (use dtype='float32' or 'auto')."
         )
-    if method != "auto" or not gguf_types:
-        return False
+
+
+def settle_weights(
+    method: str,
+    weights: dict[str, torch.Tensor | QuantizedWeight],
+    source: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The weights to load for ``quantization=method``, from a checkpoint loaded with its GGUF blocks
+    kept (every method but ``none``): the blocks themselves, or on a GPU their float values; a new
+    dict, ``weights`` is not changed. Raises ``ValueError`` naming the field for an impossible
+    combination (``source``, the checkpoint's path, is named too)."""
+    types = ", ".join(sorted({w.type_name for w in weights.values() if isinstance(w, QuantizedWeight)}))
+    if method in ("int8", "fp8") and types:
+        raise ValueError(
+            f"quantization={method!r} quantizes a float checkpoint, but {source} is already quantized "
+            f"({types}); use quantization='auto' to run its blocks or 'none' to dequantize them."
+        )
+    if method == "fp8":
+        check_fp8_supported(device)
+    if not types:
+        return dict(weights)
     if device.type != "cpu":
         logger.info(
             "GGUF blocks (%s) have kernels on the CPU only: dequantized to %s on %s.", types, dtype, device
         )
-        return False
+        return {name: _float(w) for name, w in weights.items()}
     if dtype != torch.float32:
         raise ValueError(
             f"quantization='auto' runs this GGUF file's quantized blocks ({types}), whose CPU kernels take "
             f"float32 activations; dtype={_dtype_name(dtype)!r} is not possible with it: use dtype='float32' "
             f"(or 'auto'), or quantization='none' to dequantize the weights to {_dtype_name(dtype)}."
         )
-    return True
+    return dict(weights)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

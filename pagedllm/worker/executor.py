@@ -19,7 +19,7 @@ from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.loader import load_checkpoint
-from pagedllm.model.quantization import weight_format
+from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
@@ -43,8 +43,9 @@ class Executor:
         started = time.perf_counter()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        keep_quantized = weight_format(config.quantization, config.model, self.device, self.dtype)
-        ckpt = load_checkpoint(config.model, config.tokenizer, keep_quantized=keep_quantized)
+        check_before_loading(config.quantization, self.device, self.dtype)
+        ckpt = load_checkpoint(config.model, config.tokenizer, keep_quantized=config.quantization != "none")
+        weights = settle_weights(config.quantization, ckpt.weights, ckpt.path, self.device, self.dtype)
         self.config = config
         self.tokenizer = with_chat_template(ckpt.tokenizer, config.chat_template)
         self.model_config = ckpt.config
@@ -60,7 +61,7 @@ class Executor:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(
             ckpt.config,
-            ckpt.weights,
+            weights,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             device=self.device,
@@ -69,7 +70,7 @@ class Executor:
             max_num_seqs=config.max_num_seqs,
             quantization=config.quantization,
         )
-        del ckpt
+        del ckpt, weights
         self.num_kv_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
