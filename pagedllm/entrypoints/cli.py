@@ -1,4 +1,4 @@
-"""`pagedllm` command line: serve, generate, bench.
+"""`pagedllm` command line: serve, generate, bench, run-batch.
 
 Each subcommand lives in its own module exposing ``add_cli_args(parser)`` and ``run(args) -> int``;
 they are imported lazily so ``pagedllm --help`` stays fast.
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": ("pagedllm.entrypoints.openai.api_server", "Start the OpenAI-compatible HTTP server."),
     "generate": ("pagedllm.entrypoints.generate_cli", "Generate a completion and stream it to stdout."),
     "bench": ("pagedllm.bench.cli", "Benchmarks: throughput, latency, perplexity, serve, step, roofline."),
+    "run-batch": ("pagedllm.entrypoints.run_batch", "Answer a file of OpenAI Batch requests offline."),
 }
 
 
