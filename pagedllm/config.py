@@ -24,7 +24,10 @@ class EngineConfig:
     blocks, a safetensors checkpoint as stored), ``none`` (every weight dequantized to ``dtype``),
     ``int8`` (weight-only int8 with one scale per output channel, made at load from float weights) or
     ``fp8`` (weight-only FP8 per output channel, on a CUDA device). ``chat_template`` (a Jinja template,
-    or the path of a file holding one) replaces the model's chat template.
+    or the path of a file holding one) replaces the model's chat template. ``generation_config`` is where
+    the default temperature, top_p, top_k, min_p and repetition_penalty come from: ``auto`` (the model's
+    ``generation_config.json`` or GGUF ``general.sampling.*`` metadata), ``vllm`` (none: the built-in
+    neutral values) or a folder holding a ``generation_config.json``; a request's own values win.
     """
 
     model: str | None = None
@@ -47,6 +50,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     quantization: str = "auto"
     chat_template: str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -68,6 +72,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}."
+            )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}."
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")

@@ -17,6 +17,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats
+from pagedllm.model.generation_config import load_generation_defaults
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.sampling_params import SamplingParams
@@ -80,6 +81,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Read (and checked) before the weights load, so a bad --generation-config fails fast.
+        generation = load_generation_defaults(config.generation_config, config.model)
+        # The model's default sampling parameters that were found (a subset of temperature, top_p,
+        # top_k, min_p, repetition_penalty); a request's own values win over them.
+        self.default_sampling: dict[str, float | int] = dict(generation.values)
         self.executor = Executor(config)
         executor = self.executor
         self.tokenizer = executor.tokenizer

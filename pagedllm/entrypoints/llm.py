@@ -34,6 +34,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters used when none are given: the built-in defaults with the model's
+        generation-config defaults (see the ``generation_config`` engine argument) applied."""
+        defaults: dict[str, Any] = dict(self.llm_engine.default_sampling)
+        return SamplingParams(**defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -43,11 +49,12 @@ class LLM:
         """Generate completions; outputs come back in the order of ``prompts``.
 
         ``prompts`` are strings or token-id lists (a single one may be passed bare).
-        ``sampling_params`` is one for all prompts or one per prompt.
+        ``sampling_params`` is one for all prompts or one per prompt; None means
+        :meth:`get_default_sampling_params`.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -144,8 +144,10 @@ async def list_models(raw_request: Request) -> Response:
     serving = _serving(raw_request)
     root = str(serving.engine.engine.model_name)
     max_model_len = serving.completion.max_model_len
+    generation_config = dict(getattr(serving.engine.engine, "default_sampling", None) or {})
     cards = [
-        ModelCard(id=name, root=root, max_model_len=max_model_len) for name in serving.served_model_names
+        ModelCard(id=name, root=root, max_model_len=max_model_len, generation_config=generation_config)
+        for name in serving.served_model_names
     ]
     return JSONResponse(ModelList(data=cards).model_dump())
 

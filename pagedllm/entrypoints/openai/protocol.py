@@ -348,6 +348,8 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int | None = None
     permission: list[dict[str, Any]] = Field(default_factory=list)
+    # The default sampling parameters taken from the model's generation config (--generation-config).
+    generation_config: dict[str, float | int] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
@@ -282,15 +282,16 @@ class OpenAIServing:
                 )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options is only allowed when stream is true.", param="stream_options")
+        defaults = self.default_sampling(request)
         try:
             structured = self._structured_outputs(request)
             return SamplingParams(
                 n=request.n,
                 best_of=request.best_of,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=0 if request.top_k is None else request.top_k,
-                min_p=0.0 if request.min_p is None else request.min_p,
+                temperature=float(defaults["temperature"]),
+                top_p=float(defaults["top_p"]),
+                top_k=int(defaults["top_k"]),
+                min_p=float(defaults["min_p"]),
                 seed=request.seed,
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
@@ -300,7 +301,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty,
-                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                repetition_penalty=float(defaults["repetition_penalty"]),
                 logit_bias=dict(request.logit_bias) if request.logit_bias else None,  # type: ignore[arg-type]
                 bad_words=request.bad_words,
                 allowed_token_ids=request.allowed_token_ids,
@@ -315,6 +316,26 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             message = str(exc)
             raise OpenAIError(message, param=param_from_message(message, aliases)) from None
+
+    # The sampling fields a request may leave out (None) to get the model's default, with the built-in
+    # value used when the model has none.
+    _BUILTIN_SAMPLING: ClassVar[dict[str, float | int]] = {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
+
+    def default_sampling(self, request: SamplingRequest) -> dict[str, float | int]:
+        """temperature, top_p, top_k, min_p and repetition_penalty for ``request``: its own value, else
+        the model's generation-config default (``engine.default_sampling``), else the built-in one."""
+        model_defaults: dict[str, float | int] = getattr(self.engine.engine, "default_sampling", None) or {}
+        values: dict[str, float | int] = {}
+        for name, builtin in self._BUILTIN_SAMPLING.items():
+            given = getattr(request, name)
+            values[name] = given if given is not None else model_defaults.get(name, builtin)
+        return values
 
     @staticmethod
     def _structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
