@@ -32,6 +32,54 @@ class GrammarState(Protocol):
     @property
     def is_completed(self) -> bool: ...
 
+    @property
+    def is_active(self) -> bool:
+        """Whether the grammar constrains the next token (False while it waits for its start
+        marker, see :class:`GatedGrammar`): inactive rows are sampled unconstrained."""
+        ...
+
+
+class GatedGrammar:
+    """A grammar that starts after a marker (``StructuredOutputsParams.after``).
+
+    Until the token ids ``after`` have appeared contiguously among the tokens it is given, every token
+    is accepted, the inner matcher is left untouched and ``is_active`` is False; from the token after
+    the marker on it is the inner grammar. Never completed or terminated before it is active.
+    """
+
+    __slots__ = ("inner", "after", "matcher", "_recent", "_active")
+
+    def __init__(self, inner: GrammarState, after: list[int]) -> None:
+        if not after:
+            raise ValueError("GatedGrammar needs a non-empty marker.")
+        self.inner = inner
+        self.after = list(after)
+        self.matcher = inner.matcher
+        self._recent: list[int] = []  # the latest len(after) tokens while inactive
+        self._active = False
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._active:
+            return self.inner.accept_token(token_id)
+        recent = self._recent
+        recent.append(token_id)
+        if len(recent) > len(self.after):
+            del recent[0]
+        self._active = recent == self.after
+        return True
+
+    @property
+    def is_active(self) -> bool:
+        return self._active
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._active and self.inner.is_terminated
+
+    @property
+    def is_completed(self) -> bool:
+        return self._active and self.inner.is_completed
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -87,7 +135,9 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
-    grammar: GrammarState | None = None  # structured-output matcher, advanced with every output token
+    # Structured-output matcher, advanced with every output token; wrapped in a GatedGrammar when
+    # ``params.structured_outputs.after`` delays the constraint.
+    grammar: GrammarState | None = None
     # For the n > 1 siblings after the first: wait until it has prefilled the shared prompt, then
     # reuse its full blocks through the prefix cache instead of prefilling again.
     prefill_leader: Request | None = field(default=None, repr=False)
@@ -100,6 +150,9 @@ class Request:
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
         p = self.params
+        marker = p.structured_outputs.after if p.structured_outputs is not None else None
+        if self.grammar is not None and marker and not isinstance(self.grammar, GatedGrammar):
+            self.grammar = GatedGrammar(self.grammar, marker)  # the constraint starts after the marker
         self._reads_no_outputs = (
             self.grammar is None
             and not self.bad_words_token_ids

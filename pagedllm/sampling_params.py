@@ -19,7 +19,15 @@ class RequestOutputKind(enum.Enum):
 class StructuredOutputsParams:
     """Constrain the output to a JSON schema, a regex, a choice of strings or an EBNF grammar.
 
-    Exactly one of the fields must be set.
+    Exactly one of the constraint fields (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``) must be set.
+
+    ``after`` (token ids, e.g. those of a reasoning model's ``</think>``) delays the constraint: until
+    this id sequence has appeared, contiguously, in the generated tokens, sampling is unconstrained
+    and the grammar's matcher is not advanced; the grammar applies to every token after it (the
+    marker's own tokens are not part of the constrained text). Only output tokens count: a prompt that
+    already ends with the marker does not start the constraint, so leave ``after`` unset then. A
+    sequence that ends before the marker appears (EOS, a stop, ``max_tokens``) was never constrained.
     """
 
     json: str | dict[str, Any] | None = None
@@ -27,6 +35,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    after: list[int] | None = None
 
     def __post_init__(self) -> None:
         set_fields = [
@@ -41,6 +50,15 @@ class StructuredOutputsParams:
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.after is not None:
+            if not isinstance(self.after, list | tuple) or not self.after:
+                raise ValueError("structured_outputs.after must be a non-empty list of token ids")
+            for t in self.after:
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(
+                        f"structured_outputs.after must contain non-negative integers, got {t!r}"
+                    )
+            self.after = list(self.after)
 
 
 # Temperatures above this flatten every distribution to uniform sampling; larger values are refused.
@@ -175,6 +193,10 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids or []),
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("logit_bias", list((self.logit_bias or {}).keys())),
+            (
+                "structured_outputs.after",
+                (self.structured_outputs.after if self.structured_outputs else None) or [],
+            ),
         ):
             for t in ids:
                 if not 0 <= t < vocab_size:

@@ -37,6 +37,11 @@ class XGrammarState:
         """The output so far is a complete match (a stop token would be accepted now)."""
         return bool(self.matcher.is_completed())
 
+    @property
+    def is_active(self) -> bool:
+        """Always: a plain grammar constrains every token (see :class:`pagedllm.request.GatedGrammar`)."""
+        return True
+
 
 @functools.cache
 def _batch_matcher() -> xgr.BatchGrammarMatcher:

@@ -407,10 +407,13 @@ class ModelRunner:
         sampling = time.perf_counter()
         times.forward += sampling - started
         reqs = [scheduler_output.scheduled_requests[r].request for r in inputs.sample_rows]
-        if any(r.grammar is not None for r in reqs):
+        # A grammar waiting for its start marker (StructuredOutputsParams.after) leaves its row free.
+        grammars = [r.grammar if r.grammar is not None and r.grammar.is_active else None for r in reqs]
+        masked_rows = [i for i, g in enumerate(grammars) if g is not None]
+        if masked_rows:
             from pagedllm.structured.grammar import apply_grammar_bitmask  # xgrammar loads on first use
 
-            apply_grammar_bitmask(logits, [r.grammar for r in reqs])
+            apply_grammar_bitmask(logits, grammars)
         batch = SamplingInputs(
             params=[r.params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
@@ -418,7 +421,7 @@ class ModelRunner:
             generators=[r.generator for r in reqs],
             bad_words_token_ids=[r.bad_words_token_ids for r in reqs],
             eos_token_ids=reqs[0].eos_token_ids,
-            masked_rows=[i for i, r in enumerate(reqs) if r.grammar is not None],
+            masked_rows=masked_rows,
         )
         sampled = self.sampler.sample(logits, batch)
         self.previous_tokens = PreviousTokens(
