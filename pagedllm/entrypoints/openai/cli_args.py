@@ -16,8 +16,11 @@ from pagedllm.entrypoints.openai.limits import (
     PROMPT_BYTES_PER_TOKEN,
     RequestLimits,
 )
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+# The reasoning parsers' names (listed here so that ``--help`` does not import them).
+REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -37,6 +40,12 @@ class ServerSettings:
     # Render chat templates sent by clients (template code of the client's choosing).
     trust_request_chat_template: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Finds tool calls in replies to tool_choice "auto" (a name of TOOL_PARSERS).
+    tool_call_parser: str | None = None
+    # Serve tool_choice "auto" (it needs tool_call_parser).
+    enable_auto_tool_choice: bool = False
+    # Splits <think> reasoning from content (a name of REASONING_PARSERS).
+    reasoning_parser: str | None = None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +143,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help=f"Most bad_words per request (default {DEFAULT_MAX_BAD_WORDS}).",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How the model writes tool calls; needed for tool_choice 'auto' (with --enable-auto-tool-choice).",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Let the model decide whether to call tools (tool_choice 'auto', the default when tools are "
+        "given); needs --tool-call-parser.",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSER_NAMES,
+        help="Return the model's <think> reasoning as reasoning_content, apart from the content.",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -150,6 +177,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--max-queued-requests must be non-negative, got {args.max_queued_requests}."
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}."
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        return (
+            "--enable-auto-tool-choice needs --tool-call-parser NAME (the format the model writes calls in)."
+        )
     if not args.chat_template_timeout > 0:
         return f"--chat-template-timeout must be positive, got {args.chat_template_timeout}."
     for name in (
@@ -177,6 +208,9 @@ def settings_from_args(args: argparse.Namespace, served_model_name: str, max_log
         metrics_without_auth=args.metrics_without_auth,
         disable_fastapi_docs=args.disable_fastapi_docs,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
         limits=RequestLimits(
             max_prompt_bytes=args.max_prompt_bytes,
             max_stop_strings=args.max_stop_strings,

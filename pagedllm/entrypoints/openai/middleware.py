@@ -199,7 +199,9 @@ def route_responses(
             responses[200]["description"] = (
                 "The response; with stream true, server-sent events of its chunks."
             )
-            responses[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+            # Each event: a ``data`` line holding one JSON chunk (or ``[DONE]``).
+            event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+            responses[200]["content"] = {"text/event-stream": {"schema": event}}
     for status, description in (errors or {}).items():
         responses[status] = {"model": ErrorResponse, "description": description}
     return responses

@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import json
 import logging
 import queue
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -129,8 +131,44 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
         if msg.name is not None:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            if msg.role != "assistant":
+                raise OpenAIError(
+                    "tool_calls is only allowed on assistant messages.", param=f"messages[{i}].tool_calls"
+                )
+            entry["tool_calls"] = [
+                _template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(msg.tool_calls)
+            ]
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
+        if msg.role == "tool" and msg.tool_call_id is None:
+            raise OpenAIError("A tool message needs tool_call_id.", param=f"messages[{i}].tool_call_id")
+        if msg.reasoning_content is not None:
+            entry["reasoning_content"] = msg.reasoning_content
         out.append(entry)
     return out
+
+
+def _template_tool_call(call: Any, param: str) -> dict[str, Any]:
+    """A history tool call as chat templates take it: ``arguments`` decoded to a dict (templates
+    serialise it themselves)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise OpenAIError("function.arguments must be a JSON object string.", param=param) from None
+    if not isinstance(arguments, dict):
+        raise OpenAIError("function.arguments must be a JSON object string.", param=param)
+    return {
+        "id": call.id,
+        "type": call.type,
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+def template_handles_tools(template: str | None) -> bool:
+    """Whether a chat template reads the ``tools`` variable (renders the declared tools)."""
+    return template is not None and re.search(r"\btools\b", template) is not None
 
 
 class Preprocessor:
@@ -199,8 +237,12 @@ class Preprocessor:
         chat_template: str | None,
         chat_template_kwargs: dict[str, Any] | None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Render the conversation with the model's (or the request's) chat template and tokenize it."""
+        """Render the conversation with the model's (or the request's) chat template and tokenize it.
+
+        ``tools`` (OpenAI tool objects) are passed to the template's ``tools`` variable; a template that
+        does not read it is refused then, since the model would never see the tools."""
         self.limits.check_messages(messages)
         if add_generation_prompt and continue_final_message:
             raise OpenAIError(
@@ -224,6 +266,17 @@ class Preprocessor:
                 f"chat_template_kwargs must not set {', '.join(reserved)}.", param="chat_template_kwargs"
             )
         convo = conversation(messages)
+        if tools:
+            template = source if source is not None else getattr(self._tokenizer, "chat_template", None)
+            if not template_handles_tools(template):
+                raise OpenAIError(
+                    "tools: the chat template does not render tools, so the model would not see them. Start "
+                    "the server with --chat-template FILE naming a template with a tools section (for "
+                    "SmolLM2: examples/chat_templates/smollm2_hermes_tools.jinja), or send tool_choice "
+                    '"none".',
+                    param="tools",
+                )
+            kwargs["tools"] = tools
         if source is None:
             if getattr(self._tokenizer, "chat_template", None) is None:
                 raise OpenAIError("This model has no chat template; use /v1/completions.", param="messages")

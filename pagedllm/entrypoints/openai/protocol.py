@@ -174,10 +174,52 @@ class TextContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    """A declared function: ``parameters`` is its arguments' JSON schema (an object schema)."""
+
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: Text
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """``tool_choice`` naming one function: the reply is a call to it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCallModel(OpenAIBaseModel):
+    name: Text
+    arguments: str
+
+
+class ChatToolCall(OpenAIBaseModel):
+    """A tool call of an assistant message, in a request's history or a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallModel
+
+
 class ChatMessage(OpenAIBaseModel):
     role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # An assistant message's calls and a tool message's answer to one of them.
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -185,8 +227,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" when tools are given, else "none" (as OpenAI).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -287,9 +331,45 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCallModel(BaseModel):
+    """A streamed piece of a tool call: the first piece of a call carries ``id``, ``type`` and the
+    function's ``name``; later ones carry ``arguments`` fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -316,6 +396,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCallModel] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm.entrypoints.openai.chat_output import ChoiceDelta, ChoiceOutput
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -36,6 +39,7 @@ from pagedllm.entrypoints.openai.streaming import (
     sse_event,
     streamable_length,
 )
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -61,24 +65,15 @@ def _usage(out: RequestOutput | None, prompt_len: int) -> UsageInfo:
 
 
 def check_unsupported(request: ChatCompletionRequest) -> None:
-    """Refuse, naming the field, what would change the answer but is not served: tool and function
-    calling and audio output (ignoring them would answer a different question)."""
+    """Refuse, naming the field, what would change the answer but is not served: the deprecated
+    function-calling fields and audio output (ignoring them would answer a different question)."""
     extra = request.model_extra or {}
-    if request.tools and request.tool_choice != "none":
-        raise OpenAIError(
-            'tools: tool calling is not supported (send tool_choice "none" to answer without tools).',
-            param="tools",
-        )
-    if request.tool_choice not in (None, "none", "auto"):
-        given = repr(request.tool_choice)[:200]
-        raise OpenAIError(
-            f'tool_choice must be "none" or "auto" (tool calling is not supported), got {given}.',
-            param="tool_choice",
-        )
     if extra.get("functions"):
-        raise OpenAIError("functions: function calling is not supported.", param="functions")
+        raise OpenAIError("functions is deprecated and not supported; send tools instead.", param="functions")
     if extra.get("function_call") not in (None, "none", "auto"):
-        raise OpenAIError("function_call: function calling is not supported.", param="function_call")
+        raise OpenAIError(
+            "function_call is deprecated and not supported; send tool_choice instead.", param="function_call"
+        )
     if extra.get("audio") is not None:
         raise OpenAIError("audio: audio output is not supported.", param="audio")
     if extra.get("modalities") not in (None, ["text"]):
@@ -86,7 +81,26 @@ def check_unsupported(request: ChatCompletionRequest) -> None:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handles the chat completions endpoint."""
+    """Handles the chat completions endpoint.
+
+    ``tool_parser`` and ``enable_auto_tool_choice`` serve ``tool_choice="auto"``;
+    ``reasoning_parser`` splits every reply's reasoning from its content."""
+
+    def __init__(
+        self,
+        *args: Any,
+        tool_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        reasoning_parser: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_factory = _reasoning_factory(reasoning_parser)
+
+    def _choice_output(self, plan: ToolPlan) -> ChoiceOutput:
+        return ChoiceOutput(plan.new_parser(), self.reasoning_factory, parallel=plan.parallel)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
@@ -103,12 +117,18 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_completion_tokens
             aliases["max_tokens"] = "max_completion_tokens"
 
+        plan = plan_tools(
+            request, tool_parser=self.tool_parser, enable_auto_tool_choice=self.enable_auto_tool_choice
+        )
+        if plan.constraint is not None:
+            aliases["structured_outputs"] = "tools"
         prompt_ids = await self.preprocessor.encode_chat(
             request.messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template=request.chat_template,
             chat_template_kwargs=request.chat_template_kwargs,
+            tools=plan.template_tools,
         )
         max_tokens = self.check_prompt_length(len(prompt_ids), max_tokens, "messages")
         # The response echoes the client's id; the engine keys the request by one of its own, so two
@@ -116,6 +136,10 @@ class OpenAIServingChat(OpenAIServing):
         request_id = request.request_id or random_id("chatcmpl")
         engine_id = random_id("chatcmpl")
         if request.use_beam_search:
+            if plan.mode != "none":
+                raise OpenAIError(
+                    "use_beam_search cannot be combined with tool calls.", param="use_beam_search"
+                )
             return await self._beam_search(request, raw_request, request_id, prompt_ids, max_tokens, aliases)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(
@@ -125,6 +149,8 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=request.prompt_logprobs,
             aliases=aliases,
         )
+        if plan.constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=plan.constraint)
 
         try:
             outputs = await self.engine.add_request(engine_id, prompt_ids, params)
@@ -138,7 +164,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if request.stream:
             return SSEResponse(
-                self._stream(request, request_id, created, params, len(prompt_ids), outputs),
+                self._stream(request, request_id, created, params, len(prompt_ids), outputs, plan),
                 on_close=lambda: self.engine.abort(engine_id),
             )
         try:
@@ -149,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
             self.engine.abort(engine_id)
         if not completed or final is None:
             return Response(status_code=499)
-        return JSONResponse(self._response(request, request_id, created, final).model_dump())
+        return JSONResponse(self._response(request, request_id, created, final, plan).model_dump())
 
     async def _beam_search(
         self,
@@ -203,10 +229,17 @@ class OpenAIServingChat(OpenAIServing):
         return final
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        final: RequestOutput,
+        plan: ToolPlan,
     ) -> ChatCompletionResponse:
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
+            splitter = self._choice_output(plan)
+            message = splitter.complete(c.text)
             logprobs = None
             if request.logprobs:
                 logprobs = ChatCompletionLogProbs(
@@ -215,9 +248,14 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatResponseMessage(role="assistant", content=c.text),
+                    message=ChatResponseMessage(
+                        role="assistant",
+                        content=message.content,
+                        reasoning_content=message.reasoning_content,
+                        tool_calls=message.tool_calls,
+                    ),
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason="tool_calls" if message.tool_calls else c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
             )
@@ -240,6 +278,7 @@ class OpenAIServingChat(OpenAIServing):
         params: SamplingParams,
         prompt_len: int,
         outputs: AsyncIterator[RequestOutput],
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(
@@ -274,6 +313,12 @@ class OpenAIServingChat(OpenAIServing):
                     )
                 )
             states = [_ChoiceState() for _ in range(request.n)]
+            # Plain text streams as it is; with a tool or reasoning parser it is split first.
+            splitters = (
+                [self._choice_output(plan) for _ in range(request.n)]
+                if plan.parser_factory is not None or self.reasoning_factory is not None
+                else None
+            )
             async for out in outputs:
                 latest = out
                 for c in out.outputs:
@@ -296,6 +341,33 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     st.sent_chars = max(st.sent_chars, end)
                     st.done = finished
+                    finish_reason = c.finish_reason if finished else None
+                    if splitters is not None:
+                        splitter = splitters[c.index]
+                        piece = splitter.feed(delta) if delta else ChoiceDelta()
+                        if finished:
+                            last = splitter.finish()
+                            piece.content += last.content
+                            piece.reasoning_content += last.reasoning_content
+                            piece.tool_calls += last.tool_calls
+                            if splitter.called_tools:
+                                finish_reason = "tool_calls"
+                        if not (piece or finished or logprobs is not None):
+                            continue
+                        yield chunk(
+                            ChatCompletionResponseStreamChoice(
+                                index=c.index,
+                                delta=DeltaMessage(
+                                    content=piece.content or None,
+                                    reasoning_content=piece.reasoning_content or None,
+                                    tool_calls=piece.tool_calls or None,
+                                ),
+                                logprobs=logprobs,
+                                finish_reason=finish_reason,
+                                stop_reason=c.stop_reason if finished else None,
+                            )
+                        )
+                        continue
                     if not (finished or continuous or logprobs is not None):
                         yield text_events.event(c.index, delta)
                         continue
@@ -304,7 +376,7 @@ class OpenAIServingChat(OpenAIServing):
                             index=c.index,
                             delta=DeltaMessage(content=delta),
                             logprobs=logprobs,
-                            finish_reason=c.finish_reason if finished else None,
+                            finish_reason=finish_reason,
                             stop_reason=c.stop_reason if finished else None,
                         )
                     )
@@ -320,3 +392,12 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started
             yield sse_error(error_from_exception(exc))
         yield SSE_DONE
+
+
+def _reasoning_factory(name: str | None) -> Callable[[], Any] | None:
+    """The factory of the server's reasoning parser (one instance per choice), or None."""
+    if name is None:
+        return None
+    from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+    return get_reasoning_parser(name)

@@ -157,7 +157,7 @@ class ToolParser(ABC):
     def extract(self, text: str) -> ExtractedToolCalls:
         """The tool calls in a complete output, or the whole text as content when there are none or
         the output does not parse. Leaves this instance's streaming state alone."""
-        parser = type(self)(id_factory=self._id_factory)
+        parser = self._fresh()
         parser.feed(text)
         parser.finish()
         if parser._malformed or not parser._calls:
@@ -181,6 +181,10 @@ class ToolParser(ABC):
             return DeltaMessage()
         self._finished = True
         return self._run(final=True)
+
+    def _fresh(self) -> ToolParser:
+        """A new parser of the same format and ids, for :meth:`extract`."""
+        return type(self)(id_factory=self._id_factory)
 
     # -- what a format implements -----------------------------------------------------------------
 
