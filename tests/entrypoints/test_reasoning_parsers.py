@@ -17,25 +17,24 @@ from pagedllm.entrypoints.openai.reasoning_parsers import (
 NAMES = ["deepseek_r1", "qwen3"]
 
 
-def reference(name: str, text: str) -> tuple[str | None, str | None]:
-    """The rules of the two formats, written directly."""
+def reference(name: str, text: str, opened: bool = False) -> tuple[str | None, str | None]:
+    """The rules of the two formats, written directly (``opened``: the prompt ends with <think>)."""
     stripped = text.lstrip()
     tagged = stripped.startswith("<think>")
-    if name == "deepseek_r1" or tagged:
+    if name == "deepseek_r1" or tagged or opened:
         body = stripped[len("<think>") :] if tagged else text
         if "</think>" in body:
             reasoning, _, content = body.partition("</think>")
             return reasoning or None, content or None
         return body or None, None
-    if "</think>" in text:
-        reasoning, _, content = text.partition("</think>")
-        return reasoning or None, content or None
     return None, text or None
 
 
-def stream(name: str, pieces: list[str]) -> tuple[str | None, str | None, list[ReasoningDelta]]:
+def stream(
+    name: str, pieces: list[str], opened: bool = False
+) -> tuple[str | None, str | None, list[ReasoningDelta]]:
     """Feeds ``pieces``; returns the joined reasoning and content (``None`` when empty) and the deltas."""
-    parser = get_reasoning_parser(name)()
+    parser = get_reasoning_parser(name)(opened)
     deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
     for delta in deltas:
         assert delta.reasoning_content != "" and delta.content != ""  # nothing: None, not ""
@@ -56,12 +55,12 @@ CASES: list[tuple[str, tuple[str | None, str | None], tuple[str | None, str | No
         ("\nLet me add.\n", "\n\n2 + 2 = 4."),
         ("\nLet me add.\n", "\n\n2 + 2 = 4."),
     ),
-    ("Let me add.</think>4", ("Let me add.", "4"), ("Let me add.", "4")),
+    ("Let me add.</think>4", ("Let me add.", "4"), (None, "Let me add.</think>4")),
     ("Just the answer: 4", ("Just the answer: 4", None), (None, "Just the answer: 4")),
     ("  <think>cut off while thinking", ("cut off while thinking", None), ("cut off while thinking", None)),
     ("<think></think>Answer", (None, "Answer"), (None, "Answer")),
     ("<think>a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),
-    ("x <think>y</think>z", ("x <think>y", "z"), ("x <think>y", "z")),
+    ("x <think>y</think>z", ("x <think>y", "z"), (None, "x <think>y</think>z")),
     ("4 < 5 and </thin", ("4 < 5 and </thin", None), (None, "4 < 5 and </thin")),
     ("", (None, None), (None, None)),
     ("<thi", ("<thi", None), (None, "<thi")),
@@ -79,6 +78,14 @@ def test_complete_outputs(
         # One character at a time, and all at once.
         assert stream(name, list(text))[:2] == want, name
         assert stream(name, [text])[:2] == want, name
+    # After a prompt that opened the reasoning, both formats read an untagged output alike.
+    opened = get_reasoning_parser("qwen3")(prompt_opens_reasoning=True)
+    assert (
+        opened.extract(text)
+        == ExtractedReasoning(*reference("qwen3", text, opened=True))
+        == ExtractedReasoning(*r1)
+    )
+    assert stream("qwen3", list(text), opened=True)[:2] == r1
 
 
 def test_streaming_holds_back_only_what_is_undecided() -> None:
@@ -99,14 +106,17 @@ def test_streaming_holds_back_only_what_is_undecided() -> None:
     assert r1.feed("b>") == ReasoningDelta(reasoning_content="</b>")
     assert r1.finish() == ReasoningDelta()
 
-    # Qwen3 output that does not open with <think> is decided by a later </think>, or by the end.
+    # Qwen3 output that does not open with <think> is content, streamed at once; after a prompt that
+    # opened the reasoning it is reasoning up to </think>.
     qwen = get_reasoning_parser("qwen3")()
-    assert qwen.feed("Plain") == ReasoningDelta()
-    assert qwen.feed(" text") == ReasoningDelta()
-    assert qwen.finish() == ReasoningDelta(content="Plain text")
-    qwen = get_reasoning_parser("qwen3")()
-    assert qwen.feed("Thought") == ReasoningDelta()
-    assert qwen.feed("</think>Answer") == ReasoningDelta(reasoning_content="Thought", content="Answer")
+    assert not qwen.starts_in_reasoning
+    assert qwen.feed("Plain") == ReasoningDelta(content="Plain")
+    assert qwen.feed(" text</think>") == ReasoningDelta(content=" text</think>")
+    assert qwen.finish() == ReasoningDelta()
+    qwen = get_reasoning_parser("qwen3")(prompt_opens_reasoning=True)
+    assert qwen.starts_in_reasoning
+    assert qwen.feed("Thought") == ReasoningDelta(reasoning_content="Thought")
+    assert qwen.feed("</think>Answer") == ReasoningDelta(content="Answer")
     assert qwen.reasoning_ended
     # A tagged Qwen3 output streams its reasoning at once.
     qwen = get_reasoning_parser("qwen3")()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -97,10 +99,34 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.reasoning_factory = _reasoning_factory(reasoning_parser)
+        self.reasoning_cls: type[ReasoningParser] | None = None
+        self.reasoning_end_ids: list[int] = []
+        if reasoning_parser is not None:
+            from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
-    def _choice_output(self, plan: ToolPlan) -> ChoiceOutput:
-        return ChoiceOutput(plan.new_parser(), self.reasoning_factory, parallel=plan.parallel)
+            self.reasoning_cls = get_reasoning_parser(reasoning_parser)
+            self.reasoning_end_ids = list(
+                self.tokenizer.encode(self.reasoning_cls.end, add_special_tokens=False)
+            )
+
+    def _reasoning_for(self, prompt_ids: list[int]) -> Callable[[], ReasoningParser] | None:
+        """The reasoning parser factory for replies to ``prompt_ids`` (None without a reasoning parser)."""
+        cls = self.reasoning_cls
+        if cls is None:
+            return None
+        tail = str(self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False))
+        return functools.partial(cls, tail.rstrip().endswith(cls.start))
+
+    def _gate_constraint(
+        self, params: SamplingParams, reasoning: Callable[[], ReasoningParser] | None
+    ) -> SamplingParams:
+        """A reply that starts in its reasoning is constrained only after the reasoning's end tag."""
+        structured = params.structured_outputs
+        if structured is None or reasoning is None or not reasoning().starts_in_reasoning:
+            return params
+        return dataclasses.replace(
+            params, structured_outputs=dataclasses.replace(structured, after=self.reasoning_end_ids)
+        )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
@@ -151,6 +177,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         if plan.constraint is not None:
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
+        reasoning = self._reasoning_for(prompt_ids)
+        params = self._gate_constraint(params, reasoning)
 
         try:
             outputs = await self.engine.add_request(engine_id, prompt_ids, params)
@@ -164,7 +192,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if request.stream:
             return SSEResponse(
-                self._stream(request, request_id, created, params, len(prompt_ids), outputs, plan),
+                self._stream(request, request_id, created, params, len(prompt_ids), outputs, plan, reasoning),
                 on_close=lambda: self.engine.abort(engine_id),
             )
         try:
@@ -175,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
             self.engine.abort(engine_id)
         if not completed or final is None:
             return Response(status_code=499)
-        return JSONResponse(self._response(request, request_id, created, final, plan).model_dump())
+        return JSONResponse(self._response(request, request_id, created, final, plan, reasoning).model_dump())
 
     async def _beam_search(
         self,
@@ -235,10 +263,11 @@ class OpenAIServingChat(OpenAIServing):
         created: int,
         final: RequestOutput,
         plan: ToolPlan,
+        reasoning: Callable[[], ReasoningParser] | None,
     ) -> ChatCompletionResponse:
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
-            splitter = self._choice_output(plan)
+            splitter = ChoiceOutput(plan.new_parser(), reasoning, parallel=plan.parallel)
             message = splitter.complete(c.text)
             logprobs = None
             if request.logprobs:
@@ -279,6 +308,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_len: int,
         outputs: AsyncIterator[RequestOutput],
         plan: ToolPlan,
+        reasoning: Callable[[], ReasoningParser] | None,
     ) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(
@@ -315,8 +345,8 @@ class OpenAIServingChat(OpenAIServing):
             states = [_ChoiceState() for _ in range(request.n)]
             # Plain text streams as it is; with a tool or reasoning parser it is split first.
             splitters = (
-                [self._choice_output(plan) for _ in range(request.n)]
-                if plan.parser_factory is not None or self.reasoning_factory is not None
+                [ChoiceOutput(plan.new_parser(), reasoning, parallel=plan.parallel) for _ in range(request.n)]
+                if plan.parser_factory is not None or reasoning is not None
                 else None
             )
             async for out in outputs:
@@ -392,12 +422,3 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started
             yield sse_error(error_from_exception(exc))
         yield SSE_DONE
-
-
-def _reasoning_factory(name: str | None) -> Callable[[], Any] | None:
-    """The factory of the server's reasoning parser (one instance per choice), or None."""
-    if name is None:
-        return None
-    from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
-
-    return get_reasoning_parser(name)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 # Where the parser is: before the output has shown whether it opens with ``start``; inside the
-# reasoning; in text that is reasoning only if ``end`` follows (held back until decided); after it.
-Mode = Literal["opening", "reasoning", "undecided", "content"]
+# reasoning; after it.
+Mode = Literal["opening", "reasoning", "content"]
 
 
 @dataclass
@@ -54,7 +54,10 @@ class ReasoningParser(ABC):
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_opens_reasoning: bool = False) -> None:
+        # The prompt ends with ``start`` (a template that makes the model think): the output begins
+        # inside the reasoning.
+        self.prompt_opens_reasoning = prompt_opens_reasoning
         self._text = ""
         self._pos = 0  # text before this has been sent (or dropped, for the tags)
         self._search = 0  # where to look for ``end`` next
@@ -64,14 +67,20 @@ class ReasoningParser(ABC):
 
     @abstractmethod
     def _untagged_mode(self) -> Mode:
-        """What an output that does not open with ``start`` is: ``reasoning`` (until ``end``),
-        ``undecided`` (reasoning if ``end`` follows, else content) or ``content``."""
+        """What an output that does not open with ``start`` is: ``reasoning`` (until ``end``) or
+        ``content``."""
+
+    @property
+    def starts_in_reasoning(self) -> bool:
+        """Whether an output is reasoning from its first token on unless it opens otherwise: then a
+        structured-output constraint must wait for ``end``."""
+        return self._untagged_mode() == "reasoning"
 
     # -- the API --------------------------------------------------------------------------------
 
     def extract(self, text: str) -> ExtractedReasoning:
         """Split a complete output (this instance's streaming state is not touched)."""
-        parser = type(self)()
+        parser = type(self)(self.prompt_opens_reasoning)
         parts = [parser.feed(text), parser.finish()]
         reasoning = "".join(p.reasoning_content or "" for p in parts)
         content = "".join(p.content or "" for p in parts)
@@ -113,20 +122,13 @@ class ReasoningParser(ABC):
                     break  # still possibly the opening tag
                 self._enter(self._untagged_mode(), self._pos)
                 continue
-            if self._mode in ("reasoning", "undecided"):
+            if self._mode == "reasoning":
                 idx = text.find(self.end, self._search)
                 if idx >= 0:
                     reasoning.append(text[self._pos : idx])
                     self._ended = True
                     self._enter("content", idx + len(self.end))
                     continue
-                if self._mode == "undecided":
-                    if final:
-                        content.append(text[self._pos :])
-                        self._pos = len(text)
-                    else:
-                        self._search = max(self._pos, len(text) - len(self.end) + 1)
-                    break
                 cut = len(text) if final else len(text) - _partial_suffix(text, self.end, self._pos)
                 reasoning.append(text[self._pos : cut])
                 self._pos = self._search = cut

@@ -3,13 +3,11 @@
     <think>
     The user asks for ... so the answer is 4.
     </think>
-
     2 + 2 = 4.
 
-Without a leading ``<think>`` the output is reasoning only up to a ``</think>`` that follows (the
-templates of Qwen3's thinking-only models put ``<think>`` in the prompt); an output with neither tag
-is content (thinking switched off). Since only a later ``</think>`` tells those two apart, such an
-output is held back while it streams until ``</think>`` appears or the output ends.
+An output without a leading ``<think>`` is content (thinking switched off), unless the prompt already
+opened the reasoning (the templates of Qwen3's thinking-only models end with ``<think>``): then it is
+reasoning up to ``</think>``.
 """
 
 from __future__ import annotations
@@ -18,9 +16,9 @@ from pagedllm.entrypoints.openai.reasoning_parsers.base import Mode, ReasoningPa
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    """``<think>…</think>`` at the start of the output, or text before a ``</think>``."""
+    """``<think>…</think>`` at the start of the output (or after a prompt that opened it)."""
 
     name = "qwen3"
 
     def _untagged_mode(self) -> Mode:
-        return "undecided"
+        return "reasoning" if self.prompt_opens_reasoning else "content"
