@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
@@ -23,7 +32,10 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -8,6 +8,9 @@ from typing import Any
 
 # Values of EngineConfig.quantization.
 QUANTIZATION_METHODS = ("auto", "none", "int8", "fp8")
+# Values of EngineConfig.task and EngineConfig.pooling_type.
+TASKS = ("auto", "generate", "embed")
+POOLING_TYPES = ("mean", "cls", "last")
 
 
 @dataclass
@@ -24,7 +27,12 @@ class EngineConfig:
     blocks, a safetensors checkpoint as stored), ``none`` (every weight dequantized to ``dtype``),
     ``int8`` (weight-only int8 with one scale per output channel, made at load from float weights) or
     ``fp8`` (weight-only FP8 per output channel, on a CUDA device). ``chat_template`` (a Jinja template,
-    or the path of a file holding one) replaces the model's chat template. ``generation_config`` is where
+    or the path of a file holding one) replaces the model's chat template.
+    ``task`` is what the engine serves: ``generate`` (text) or ``embed`` (one pooled vector per
+    prompt: ``LLM.embed``, ``/v1/embeddings``); ``auto`` takes it from the architecture (encoders such
+    as BERT embed, decoders generate). ``pooling_type`` (``mean``, ``cls`` or ``last``) and
+    ``pooling_normalize`` override the model's pooling (a sentence-transformers folder's own, else CLS
+    for encoders and the last token for decoders, L2-normalised). ``generation_config`` is where
     the default temperature, top_p, top_k, min_p and repetition_penalty come from: ``auto`` (the model's
     ``generation_config.json`` or GGUF ``general.sampling.*`` metadata), ``vllm`` (none: the built-in
     neutral values) or a folder holding a ``generation_config.json``; a request's own values win.
@@ -50,6 +58,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     quantization: str = "auto"
     chat_template: str | None = None
+    task: str = "auto"
+    pooling_type: str | None = None
+    pooling_normalize: bool | None = None
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
@@ -76,6 +87,12 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(
                 f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}."
+            )
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}.")
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type must be one of {', '.join(POOLING_TYPES)} (or unset), got {self.pooling_type!r}."
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")

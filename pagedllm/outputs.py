@@ -58,6 +58,31 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """The embedding of one prompt: its pooled (and, as configured, truncated and normalised) final
+    hidden state."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of a pooling request (``LLM.embed``): always final, since a prompt is pooled in the
+    one step that computes it. ``outputs.embedding`` is the vector (``embedding`` for short)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding
+
+
+@dataclass
 class BeamSearchSequence:
     """One finished hypothesis.
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedllm.outputs import Logprob
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -146,6 +147,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Set for a pooling (embedding) request: its prompt is computed whole in one step and pooled;
+    # nothing is sampled (``params`` are then the defaults, read by nobody) and it finishes there.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)

@@ -6,8 +6,8 @@ Layers, top to bottom (docs/ARCHITECTURE.md):
 
 A module may import its own package, any package below it, and packages beside it in the same layer as
 long as no cycle forms. The shared vocabulary (``config``, ``request``, ``sampling_params``,
-``outputs``, ``utils``) may be imported from anywhere and imports only itself. Every import counts,
-including those inside functions and under ``TYPE_CHECKING``.
+``pooling_params``, ``outputs``, ``utils``) may be imported from anywhere and imports only itself.
+Every import counts, including those inside functions and under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"kernels"},
 ]
-SHARED = {"config", "request", "sampling_params", "outputs", "utils"}
+SHARED = {"config", "request", "sampling_params", "pooling_params", "outputs", "utils"}
 
 
 def _module_name(path: Path) -> str:

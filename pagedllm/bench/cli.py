@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,latency,perplexity,serve,step,roofline}``: the benchmark subcommands.
+"""``pagedllm bench {throughput,latency,perplexity,serve,step,roofline,embed}``: the benchmark subcommands.
 
 Each lives in its own module with ``add_cli_args(parser)`` and ``run(args) -> int``.
 """
@@ -32,6 +32,10 @@ BENCHMARKS = {
     "roofline": (
         "pagedllm.bench.roofline",
         "Measure this machine's GEMM rate and memory bandwidth, and the model's floors.",
+    ),
+    "embed": (
+        "pagedllm.bench.embed",
+        "Embedding throughput of LLM.embed (default all-MiniLM-L6-v2) against transformers' BertModel.",
     ),
 }
 

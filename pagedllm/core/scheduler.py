@@ -15,6 +15,10 @@ from pagedllm.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int  # most requests in ``running`` at once
     max_num_batched_tokens: int  # token budget of one step (prefill chunks and decodes together)
+    # Pooling engines: a prompt is admitted whole or waits (no chunked prefill), and an encoder's
+    # requests take no KV blocks.
+    whole_prompts: bool = False
+    uses_kv_cache: bool = True
 
 
 @dataclass
@@ -126,7 +130,7 @@ class Scheduler:
             if num_new <= 0 or (request.num_pending_tokens and request.reaches_length_with_pending):
                 i += 1
                 continue
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
+            while self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(request, num_new):
                 # The newest running request is never one already scheduled this step: those are
                 # older (earlier in ``running``) than the request being scheduled.
                 victim = self.running[-1]
@@ -151,7 +155,11 @@ class Scheduler:
                     continue
                 computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget)
-                if not self.kv_cache_manager.allocate_slots(request, num_new, computed):
+                if self.config.whole_prompts and num_new < request.num_tokens - num_cached:
+                    break  # the rest of the prompt waits for a step with room for all of it
+                if self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(
+                    request, num_new, computed
+                ):
                     break
                 del self.waiting[idx]
                 request.num_computed_tokens = num_cached

@@ -11,6 +11,9 @@ Errors reach the caller instead of being lost: a request the engine rejects (``V
 :meth:`AsyncLLMEngine.add_request`; if the engine thread dies, every pending and future request gets
 an :class:`EngineDeadError`. A caller that stops iterating (a disconnected client, a cancelled task)
 aborts its request, which frees its KV-cache blocks at the next command pass.
+
+An engine with ``task == "embed"`` is stepped with ``step_pooling``; its requests are submitted with
+:meth:`AsyncLLMEngine.encode`, which returns the embedding.
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
 from pagedllm.engine.metrics import EngineMetrics, StatLogger
 from pagedllm.engine.stats import EngineStats
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+# What a step hands to a request's caller: a generation snapshot, or an embedding (task "embed").
+EngineOutput = RequestOutput | EmbeddingRequestOutput
 
 
 class SyncEngine(Protocol):
@@ -49,11 +56,13 @@ class SyncEngine(Protocol):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
+
+    def step_pooling(self) -> list[EmbeddingRequestOutput]: ...  # engines whose task is "embed"
 
     def abort_request(self, request_id: str | Iterable[str]) -> None: ...
 
@@ -88,7 +97,7 @@ class _Stream:
         self.request_id = request_id
         self.loop = loop
         self.accepted: asyncio.Future[None] = loop.create_future()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         # Timing, touched by the engine thread only.
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
@@ -119,7 +128,7 @@ class _Stream:
             self.queue.put_nowait(exc)
 
 
-def _put_outputs(deliveries: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_outputs(deliveries: list[tuple[_Stream, EngineOutput]]) -> None:
     """On a loop: hand one step's outputs to their streams' queues."""
     for stream, output in deliveries:
         stream.queue.put_nowait(output)
@@ -129,7 +138,7 @@ def _put_outputs(deliveries: list[tuple[_Stream, RequestOutput]]) -> None:
 class _Add:
     stream: _Stream
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 @dataclass
@@ -244,6 +253,30 @@ class AsyncLLMEngine:
         """
         if params.structured_outputs is not None:
             await self._compile_grammar(params)
+        return self._iterate(await self._submit(request_id, prompt, params))
+
+    async def encode(
+        self, request_id: str, prompt: list[int], params: PoolingParams
+    ) -> EmbeddingRequestOutput:
+        """Submit a pooling request (an engine whose task is ``embed``) and wait for its embedding.
+
+        Raises as :meth:`add_request` does; cancelling the wait aborts the request.
+        """
+        stream = await self._submit(request_id, prompt, params)
+        try:
+            item = await stream.queue.get()
+        except BaseException:
+            self.abort(request_id)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, EmbeddingRequestOutput), "a pooling request got a generation output"
+        return item
+
+    async def _submit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+    ) -> _Stream:
+        """Hand a request to the engine thread and wait until the engine has accepted it."""
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             if self._dead is not None or self._thread is None:
@@ -257,7 +290,7 @@ class AsyncLLMEngine:
         except BaseException:
             self.abort(request_id)
             raise
-        return self._iterate(stream)
+        return stream
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar off the engine thread (into the engine's grammar cache)."""
@@ -342,6 +375,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True  # the engine side already dropped the request
                     raise item
+                assert isinstance(item, RequestOutput), "a generation request got a pooling output"
                 if item.finished:
                     finished = True
                 yield item
@@ -379,6 +413,7 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        step = engine.step_pooling if getattr(engine, "task", "generate") == "embed" else engine.step
         try:
             idle = True
             while True:
@@ -394,7 +429,7 @@ class AsyncLLMEngine:
                 if idle and self._stat_logger is not None:
                     self._stat_logger.reset(self._latest_stats)
                 idle = False
-                outputs = engine.step()
+                outputs = step()
                 self._dispatch(outputs)
                 if self.metrics is not None:
                     observe = self.metrics.inter_token_latency.observe
@@ -437,12 +472,13 @@ class AsyncLLMEngine:
                 if waiting is None:
                     waiting = self.engine.get_stats().num_waiting
                 # The bound counts sequences: a request with n = 4 queues four.
-                if waiting + cmd.params.n > self.max_queued_requests:
+                n = cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
+                if waiting + n > self.max_queued_requests:
                     self._drop(stream)
                     stream.fail(
                         QueueFullError(
                             f"The server is overloaded: {waiting} sequences are already waiting and this "
-                            f"request adds {cmd.params.n} (max_queued_requests={self.max_queued_requests}). "
+                            f"request adds {n} (max_queued_requests={self.max_queued_requests}). "
                             "Retry later."
                         )
                     )
@@ -454,7 +490,7 @@ class AsyncLLMEngine:
                 stream.fail(exc)
                 continue
             if waiting is not None:
-                waiting += cmd.params.n
+                waiting += cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
             stream.accept()
         return False
 
@@ -463,7 +499,7 @@ class AsyncLLMEngine:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: Sequence[EngineOutput]) -> None:
         """Hand a step's outputs to their streams: one ``call_soon_threadsafe`` per event loop (each
         call wakes the loop through a pipe), after updating the latency metrics."""
         if not outputs:
@@ -476,7 +512,7 @@ class AsyncLLMEngine:
             for stream, out in pairs:
                 if stream is not None and out.finished:
                     del streams[out.request_id]
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, EngineOutput]]] = {}
         for stream, out in pairs:
             if stream is None:
                 continue  # aborted meanwhile
@@ -484,10 +520,12 @@ class AsyncLLMEngine:
             if metrics is None:
                 continue
             m = out.metrics
+            # An embedding counts as one finished output, its time as that of a first token.
+            completions = out.outputs if isinstance(out, RequestOutput) else []
             if stream.first_token_time is None:
                 # The engine's time of the first token (an output may come only at the end).
                 first = m.first_token_time if m is not None else None
-                if first is None and any(c.token_ids for c in out.outputs):
+                if first is None and any(c.token_ids for c in completions):
                     first = now
                 if first is not None:
                     stream.first_token_time = first
@@ -498,8 +536,10 @@ class AsyncLLMEngine:
                     metrics.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
                 elif stream.first_token_time is not None:
                     metrics.request_queue_time.observe(stream.first_token_time - stream.arrival)
-                for completion in out.outputs:
+                for completion in completions:
                     metrics.record_finished(completion.finish_reason)
+                if not isinstance(out, RequestOutput):
+                    metrics.record_finished("stop")
         for loop, deliveries in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_outputs, deliveries)

@@ -16,11 +16,17 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.pooling_processor import PoolingLimits, PoolingProcessor, resolve_task
 from pagedllm.engine.stats import EngineStats
+from pagedllm.model.config import ModelConfig
 from pagedllm.model.generation_config import load_generation_defaults
-from pagedllm.outputs import RequestOutput
+from pagedllm.model.pooling import resolve_pooling_config
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.request import RequestStatus
 from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
 from pagedllm.worker.executor import Executor
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
@@ -77,6 +83,12 @@ class LLMEngine:
     has one more token computed by the step already launched, which is dropped. A step whose
     requests need their latest token on the host to sample the next (see
     ``Request.can_sample_ahead``) is resolved before the next is scheduled.
+
+    ``task`` is ``generate`` or ``embed`` (``config.task``, or from the architecture). An embed engine
+    takes pooling requests (:class:`PoolingParams`) and runs :meth:`step_pooling` instead of
+    :meth:`step`: each prompt is computed whole in one step and pooled into its embedding, and the
+    request finishes in that step. An encoder model (BERT) runs on an :class:`EncoderExecutor`, with no
+    KV cache (zero blocks).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -86,10 +98,15 @@ class LLMEngine:
         # The model's default sampling parameters that were found (a subset of temperature, top_p,
         # top_k, min_p, repetition_penalty); a request's own values win over them.
         self.default_sampling: dict[str, float | int] = dict(generation.values)
-        self.executor = Executor(config)
+        encoder = is_encoder_model(config.model)
+        self.task = resolve_task(config.task, encoder, config.model or "the default model")
+        if self.task != "embed" and (config.pooling_type is not None or config.pooling_normalize is not None):
+            raise ValueError("pooling_type and pooling_normalize apply to task 'embed' only.")
+        if self.task == "embed" and config.async_scheduling:
+            raise ValueError("async_scheduling does not apply to task embed: a step's outputs are its own.")
+        self.executor: Executor | EncoderExecutor = EncoderExecutor(config) if encoder else Executor(config)
         executor = self.executor
         self.tokenizer = executor.tokenizer
-        self.model_config = executor.model_config
         self.model_name = executor.model_name
         self.vocab_size = executor.model_config.vocab_size
         self.eos_token_ids = list(executor.model_config.eos_token_ids)
@@ -97,7 +114,7 @@ class LLMEngine:
         self.device = executor.device
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        )
+        ) and self.task == "generate"
         self._in_flight: LaunchedStep | None = None
         # Test hook: the N-th step raises inside its launch, as a failing forward would.
         self._fault_at_step = int(os.environ.get(FAULT_INJECTION_ENV) or 0)
@@ -114,9 +131,37 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
             ),
         )
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching
+        if self.task == "embed":
+            path = executor.checkpoint_path  # a folder may hold a sentence-transformers pooling config
+            self.pooling_config = resolve_pooling_config(
+                path if os.path.isdir(path) else None,
+                encoder=encoder,
+                hidden_size=executor.model_config.hidden_size,
+                matryoshka_dimensions=(
+                    executor.model_config.matryoshka_dimensions
+                    if isinstance(executor, EncoderExecutor)
+                    else None
+                ),
+                pooling_type=config.pooling_type,
+                normalize=config.pooling_normalize,
+            )
+            # Only the last token's state survives a cached prefix; mean and CLS pooling need every row.
+            prefix_caching = prefix_caching and not encoder and self.pooling_config.pooling_type == "last"
+            self.pooling = PoolingProcessor(
+                self.input_processor,
+                self.pooling_config,
+                PoolingLimits(self.max_model_len, config.block_size, None if encoder else num_blocks),
+            )
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, executor.max_num_batched_tokens), self.kv_cache_manager
+            SchedulerConfig(
+                config.max_num_seqs,
+                executor.max_num_batched_tokens,
+                whole_prompts=self.task == "embed",
+                uses_kv_cache=not encoder,
+            ),
+            self.kv_cache_manager,
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.num_prompt_tokens = 0
@@ -129,7 +174,7 @@ class LLMEngine:
         tokens = num_blocks * config.block_size
         logger.info(
             "Loaded %s on %s (%s, %s attention) in %.1fs. KV cache: %d blocks x %d tokens = %d tokens "
-            "(%.0f MiB); maximum concurrency for %d-token requests: %.2fx; scheduling ahead %s",
+            "(%.0f MiB); maximum concurrency for %d-token requests: %.2fx; scheduling ahead %s; task %s",
             self.model_name,
             self.device,
             str(executor.dtype).removeprefix("torch."),
@@ -142,6 +187,7 @@ class LLMEngine:
             self.max_model_len,
             tokens / self.max_model_len,
             "on" if self.async_scheduling else "off",
+            self.task,
         )
 
     @classmethod
@@ -151,17 +197,48 @@ class LLMEngine:
     @property
     def runner(self) -> ModelRunner:
         """The executor's model runner (for introspection: backend, CUDA graphs, KV tensors)."""
-        return self.executor.runner
+        executor = self.executor
+        if isinstance(executor, EncoderExecutor):
+            raise ValueError(f"{self.model_name} is an encoder: it has no paged model runner.")
+        return executor.runner
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The decoder's architecture (an encoder's, a :class:`~pagedllm.model.bert.BertConfig`, is
+        ``executor.model_config``)."""
+        config = self.executor.model_config
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"{self.model_name} is an encoder: see executor.model_config.")
+        return config
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError (changing nothing) on bad input."""
+        """Validate and queue a request: SamplingParams for a generate engine, PoolingParams for an
+        embed engine (None means the defaults of either). Raises ValueError (changing nothing) on bad
+        input or on parameters of the other task."""
+        if self.task == "embed":
+            if isinstance(params, SamplingParams):
+                how = "a decoder model" if isinstance(self.executor, EncoderExecutor) else "this model"
+                raise ValueError(
+                    f"This engine runs task 'embed' ({self.model_name}): it embeds (LLM.embed, /v1/embeddings) "
+                    f"and does not generate; to generate, start {how} with task='generate' (--task generate)."
+                )
+            if request_id in self.output_processor.parents:
+                raise ValueError(f"request_id {request_id!r} is already in use.")
+            request = self.pooling.make_request(request_id, prompt, params or PoolingParams(), arrival_time)
+            self.scheduler.add_request(request)
+            return
+        if isinstance(params, PoolingParams):
+            raise ValueError(
+                f"This engine runs task 'generate' ({self.model_name}): it does not embed; start it with "
+                "task='embed' (--task embed) for embeddings."
+            )
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
@@ -186,6 +263,9 @@ class LLMEngine:
         """Abort requests (by the id given to add_request); their blocks are freed at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            if self.task == "embed" and self.pooling.requests.pop(rid, None) is not None:
+                self.scheduler.abort_requests([rid])
+                continue
             child_ids = self.output_processor.child_ids(rid)
             self.scheduler.abort_requests(child_ids)
             self.output_processor.remove(rid)
@@ -195,14 +275,18 @@ class LLMEngine:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents)
+        pooling = len(self.pooling.requests) if self.task == "embed" else 0
+        return len(self.output_processor.parents) + pooling
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run the model once; returns the requests that progressed.
 
         With ``async_scheduling`` the outputs are those of the step launched by the previous call.
+        An embed engine runs :meth:`step_pooling` instead (ValueError here).
         """
+        if self.task == "embed":
+            raise ValueError("This engine runs task 'embed': its steps are run by step_pooling().")
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
         if previous is not None and not previous.can_run_ahead:
@@ -221,6 +305,35 @@ class LLMEngine:
                 self._settle()
             else:
                 outputs += self._resolve(launched)
+        return outputs
+
+    def step_pooling(self) -> list[EmbeddingRequestOutput]:
+        """Schedule prompts (each whole, under the step's budgets), pool them, and return their
+        embeddings; every scheduled request finishes in this step, its KV blocks freed (embed engines)."""
+        if self.task != "embed":
+            raise ValueError("This engine runs task 'generate': its steps are run by step().")
+        times = self.step_times
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        times.steps += 1
+        times.schedule += time.perf_counter() - started
+        try:
+            if times.steps == self._fault_at_step:
+                raise RuntimeError(f"injected fault at step {times.steps} ({FAULT_INJECTION_ENV})")
+            pooled = self.executor.pool(scheduler_output, self.pooling_config.pooling_type, times)
+        except BaseException:
+            self.kv_cache_manager.uncache(scheduler_output.newly_cached_blocks)
+            raise
+        self.scheduler.update_after_step(scheduler_output)
+        started = time.perf_counter()
+        requests = [s.request for s in scheduler_output.scheduled_requests]
+        for scheduled in scheduler_output.scheduled_requests:
+            self.num_prompt_tokens += scheduled.num_tokens
+            self.scheduler.finish_request(scheduled.request, RequestStatus.FINISHED_STOPPED)
+        outputs = self.pooling.outputs(requests, pooled)
+        times.outputs += time.perf_counter() - started
         return outputs
 
     def _settle(self) -> None:
@@ -313,7 +426,7 @@ class LLMEngine:
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv_cache_manager.usage(),
+            kv_cache_usage=self.kv_cache_manager.usage() if self.kv_cache_manager.pool.num_blocks else 0.0,
             num_kv_blocks=self.kv_cache_manager.pool.num_blocks,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
@@ -328,6 +441,7 @@ class LLMEngine:
         assert not self.scheduler.has_unfinished_requests(), "requests still queued"
         assert self._in_flight is None, "a step is still in flight"
         assert not self.output_processor.parents, "request state left behind"
+        assert self.task != "embed" or not self.pooling.requests, "pooling request state left behind"
         self.kv_cache_manager.check_idle()
 
     def reset_prefix_cache(self) -> bool:

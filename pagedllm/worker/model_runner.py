@@ -19,6 +19,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
+from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.quantization import install_gguf_blocks, quantize_float_linears
 from pagedllm.outputs import Logprob
 from pagedllm.sample.sampler import DeviceSamples, Sampler, SamplingInputs
@@ -383,6 +384,30 @@ class ModelRunner:
                     entry.setdefault(tid, Logprob(lp, r + 1))
             entries.append(entry)
         return entries
+
+    @torch.inference_mode()
+    def pool(
+        self, scheduler_output: SchedulerOutput, pooling_type: str, times: StepPhaseTimes
+    ) -> torch.Tensor:
+        """Run the rest of every scheduled prompt (its KV written to the cache as usual) and pool each
+        prompt's final hidden states: ``[n, hidden]`` float32 on the host, nothing sampled.
+
+        Each request computes all its remaining prompt tokens in this step; only ``last`` pooling may
+        start after a cached prefix (the engine turns prefix caching off for the other types)."""
+        lens = []
+        for s in scheduler_output.scheduled_requests:
+            req = s.request
+            if req.num_computed_tokens + s.num_tokens != req.num_prompt_tokens or (
+                pooling_type != "last" and req.num_computed_tokens
+            ):
+                raise ValueError(f"request {req.request_id}: a pooled prompt runs whole, in one step.")
+            lens.append(s.num_tokens)
+        _, hidden, _ = self._forward(scheduler_output, times)
+        self.previous_tokens = None
+        started = time.perf_counter()
+        pooled = pool_hidden(hidden, lens, pooling_type).cpu()
+        times.forward += time.perf_counter() - started
+        return pooled
 
     @torch.inference_mode()
     def launch(

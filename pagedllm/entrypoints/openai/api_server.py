@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (``pagedllm serve``).
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``,
-``/tokenize``, ``/detokenize``, ``/version`` and the API documents (``/docs``, ``/redoc``,
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``, ``/health``,
+``/metrics``, ``/tokenize``, ``/detokenize``, ``/version`` and the API documents (``/docs``, ``/redoc``,
 ``/openapi.json``; off with ``--disable-fastapi-docs``). With ``--api-key`` every route but ``/health``
 needs the key (``/metrics`` too unless ``--metrics-without-auth``). Every error is answered with
 OpenAI's ``{"error": {...}}`` object. Requests are tokenized and chat templates rendered on worker
@@ -70,8 +70,14 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pagedllm.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import (
+    OpenAIServingEmbedding,
+    engine_task,
+    wrong_task_error,
+)
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 __all__ = [
@@ -117,10 +123,20 @@ class Serving:
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     tokenization: OpenAIServingTokenization
+    embedding: OpenAIServingEmbedding
 
 
 def _serving(request: Request) -> Serving:
     serving: Serving = request.app.state.serving
+    return serving
+
+
+def _generating(request: Request, endpoint: str) -> Serving:
+    """The app's :class:`Serving`, after checking that its engine generates (an embed server does not)."""
+    serving = _serving(request)
+    task = engine_task(serving.engine)
+    if task != "generate":
+        raise wrong_task_error(task, endpoint)
     return serving
 
 
@@ -129,14 +145,21 @@ router = APIRouter()
 
 @router.post("/v1/completions", responses=route_responses(CompletionResponse, GENERATION_ERRORS, stream=True))
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-    return await _serving(raw_request).completion.create_completion(request, raw_request)
+    serving = _generating(raw_request, "/v1/completions")
+    return await serving.completion.create_completion(request, raw_request)
 
 
 @router.post(
     "/v1/chat/completions", responses=route_responses(ChatCompletionResponse, GENERATION_ERRORS, stream=True)
 )
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    return await _serving(raw_request).chat.create_chat_completion(request, raw_request)
+    serving = _generating(raw_request, "/v1/chat/completions")
+    return await serving.chat.create_chat_completion(request, raw_request)
+
+
+@router.post("/v1/embeddings", responses=route_responses(EmbeddingResponse, GENERATION_ERRORS))
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    return await _serving(raw_request).embedding.create_embedding(request, raw_request)
 
 
 @router.get("/v1/models", responses=route_responses(ModelList))
@@ -241,6 +264,7 @@ def build_app(
             **shared,
         ),
         tokenization=OpenAIServingTokenization(engine, names, **shared),
+        embedding=OpenAIServingEmbedding(engine, names, **shared),
     )
     app.add_middleware(GuardMiddleware, settings=settings, state=state)
     install_error_handlers(app)

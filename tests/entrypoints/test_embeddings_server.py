@@ -1,0 +1,132 @@
+"""``/v1/embeddings`` end to end: a real ``pagedllm serve --task embed`` process on all-MiniLM-L6-v2,
+the official ``openai`` client, and the task checks on both sides (a generate server refuses
+embeddings, an embed server refuses generation)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+
+import numpy as np
+import openai
+import pytest
+
+from helpers.server import SMALL_ENGINE_ARGS, RemoteServer
+from pagedllm.model.packaged import MINILM_NAMES
+
+MODEL = "minilm"
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A fast auburn fox leaps above a sleepy hound.",
+    "Stock markets fell sharply on Monday.",
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    args = [MINILM_NAMES[0], "--task", "embed", "--served-model-name", MODEL, "--max-num-seqs", "8"]
+    with RemoteServer(args, startup_timeout=120) as srv:
+        yield srv
+        srv.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return server.client(timeout=60.0)
+
+
+def _vectors(response: openai.types.CreateEmbeddingResponse) -> np.ndarray:
+    return np.array([d.embedding for d in response.data], dtype=np.float64)
+
+
+def test_openai_client_embeddings(server: RemoteServer, client: openai.OpenAI) -> None:
+    response = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert response.object == "list" and response.model == MODEL
+    assert [d.index for d in response.data] == [0, 1, 2]
+    assert all(d.object == "embedding" for d in response.data)
+    vectors = _vectors(response)
+    assert vectors.shape == (3, 384)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    # Paraphrases are closer than unrelated sentences.
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.3
+    counts = [server.post("/tokenize", json={"prompt": t}).json()["count"] for t in TEXTS]
+    assert response.usage.prompt_tokens == response.usage.total_tokens == sum(counts)
+    # One at a time: the same vectors (a sequence's embedding does not depend on its batch).
+    for text, vector in zip(TEXTS, vectors, strict=True):
+        alone = client.embeddings.create(model=MODEL, input=text, encoding_format="float")
+        assert np.abs(_vectors(alone)[0] - vector).max() < 1e-6
+    server.wait_idle()
+
+
+def test_base64_and_token_ids_agree_with_floats(server: RemoteServer, client: openai.OpenAI) -> None:
+    floats = _vectors(client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float"))
+    # The SDK asks for base64 by default and decodes it.
+    decoded = _vectors(client.embeddings.create(model=MODEL, input=TEXTS))
+    assert np.array_equal(decoded, floats.astype(np.float32).astype(np.float64))
+    raw = server.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+    data = raw["data"][0]["embedding"]
+    assert isinstance(data, str)
+    assert np.array_equal(np.frombuffer(base64.b64decode(data), dtype="<f4"), floats[0].astype(np.float32))
+    ids = [server.post("/tokenize", json={"prompt": t}).json()["tokens"] for t in TEXTS]
+    from_ids = _vectors(client.embeddings.create(model=MODEL, input=ids, encoding_format="float"))
+    assert np.abs(from_ids - floats).max() < 1e-6
+    single = _vectors(client.embeddings.create(model=MODEL, input=ids[1], encoding_format="float"))
+    assert np.abs(single[0] - floats[1]).max() < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"input": "x", "dimensions": 128}, "dimensions", "does not support other embedding sizes"),
+        ({"input": "x", "dimensions": 0}, "dimensions", "positive integer"),
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ""}, "input", "empty strings"),
+        ({"input": ["ok", ""]}, "input", "empty strings"),
+        ({"input": [[]]}, "input", "empty"),
+        ({"input": "word " * 300}, "input", "maximum context length is 256"),
+        ({"input": [1, 2, 30522]}, "input", "out-of-vocab token id 30522"),
+        ({"input": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens", "does not implement"),
+        ({"input": "x", "encoding_format": "hex"}, "encoding_format", ""),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(
+    server: RemoteServer, body: dict[str, object], param: str, fragment: str
+) -> None:
+    response = server.post("/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+    server.wait_idle()
+
+
+def test_client_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL, input="x", dimensions=64)
+    assert "dimensions" in str(info.value)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="x")
+    # The full size is allowed.
+    assert len(client.embeddings.create(model=MODEL, input="x", dimensions=384).data[0].embedding) == 384
+
+
+def test_embed_server_refuses_generation(server: RemoteServer) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        response = server.post(path, json=body)
+        assert response.status_code == 400
+        assert "runs task 'embed'" in response.json()["error"]["message"]
+        assert "--task generate" in response.json()["error"]["message"]
+
+
+def test_generate_server_refuses_embeddings() -> None:
+    with RemoteServer(SMALL_ENGINE_ARGS) as srv:
+        client = srv.client(timeout=60.0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=srv.client().models.list().data[0].id, input="Hello")
+        assert "runs task 'generate'" in str(info.value) and "--task embed" in str(info.value)
+        # The server still generates, and holds no KV block afterwards.
+        done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
+        assert done.choices[0].text is not None
+        srv.wait_idle()
