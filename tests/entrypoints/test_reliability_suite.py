@@ -127,12 +127,19 @@ HI: dict[str, Any] = {"prompt": "Hi", "max_tokens": 1}
 CHAT: dict[str, Any] = {"messages": USER, "max_tokens": 1}
 
 
+def _expected(fields: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments that describe the expected error, taken out of the request's fields."""
+    return {key: fields.pop(key) for key in ("says", "code") if key in fields}
+
+
 def completion(name: str, param: str | None, status: int = 400, **fields: Any) -> Any:
-    return bad(f"completions-{name}", "POST", C, status, param, body={**HI, **fields})
+    expected = _expected(fields)
+    return bad(f"completions-{name}", "POST", C, status, param, body={**HI, **fields}, **expected)
 
 
 def chat(name: str, param: str | None, status: int = 400, **fields: Any) -> Any:
-    return bad(f"chat-{name}", "POST", CH, status, param, body={**CHAT, **fields})
+    expected = _expected(fields)
+    return bad(f"chat-{name}", "POST", CH, status, param, body={**CHAT, **fields}, **expected)
 
 
 def raw(name: str, path: str, text: str | bytes, param: str | None, **kwargs: Any) -> Any:

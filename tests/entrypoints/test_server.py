@@ -110,15 +110,44 @@ def test_chat_stream_matches_non_stream(server: RemoteServer, client: openai.Ope
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
 
 
-def test_chat_content_parts_and_ignored_fields(client: openai.OpenAI) -> None:
+def test_chat_content_parts_and_field_audit(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
         max_tokens=3,
         temperature=0,
-        extra_body={"ignore_eos": True, "some_future_field": {"x": 1}},
+        # OpenAI fields whose documented meaning holds here are accepted.
+        extra_body={"ignore_eos": True, "prompt_cache_key": "k", "store": False, "service_tier": "auto"},
     )
     assert resp.usage is not None and resp.usage.completion_tokens == 3
+    # A previous reply's message, sent back as history with OpenAI's null fields, is accepted.
+    history = [
+        {"role": "user", "content": "Hi"},
+        resp.choices[0].message.model_dump(),
+        {"role": "user", "content": "Again."},
+    ]
+    again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=2)
+    assert again.choices[0].message.content is not None
+    # Anything else is refused, naming the field, never ignored.
+    for body, param in (
+        ({"some_future_field": {"x": 1}}, "some_future_field"),
+        ({"store": True}, "store"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        (
+            {"messages": [{"role": "user", "content": "Hi", "cache_control": {"type": "x"}}]},
+            "messages[0].cache_control",
+        ),
+        ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body=body
+            )
+        assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+        assert "some_future_field" not in body or "unknown field" in info.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"frobnicate": 1})
+    assert info.value.body["param"] == "frobnicate"  # type: ignore[index]
 
 
 def test_stop_strings(client: openai.OpenAI) -> None:

@@ -1,8 +1,8 @@
 """Request and response models of the OpenAI-compatible API (OpenAI fields plus vLLM's extras).
 
-Request models accept unknown fields (``extra="allow"``) so that clients sending newer OpenAI fields
-are not refused; the server logs and ignores them (see :attr:`OpenAIBaseModel.unknown_fields`). The
-fields they declare are typed strictly, as JSON types: ``true`` is not the integer 1, ``"5"`` is not a
+Request models accept unknown fields at parse time (``extra="allow"``); the handlers then refuse
+each one with a 400 naming it, unless it is an OpenAI field whose documented meaning holds here
+(:mod:`pagedllm.entrypoints.openai.field_checks`). The fields they declare are typed strictly, as JSON types: ``true`` is not the integer 1, ``"5"`` is not a
 number and ``"yes"`` is not a boolean.
 
 Numbers are checked before a request reaches the engine: every float of a request must be finite
@@ -74,14 +74,19 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of every request model: unknown fields are kept aside instead of rejected; declared fields
-    take only their own JSON type (no booleans as numbers, numeric strings or 1 as true)."""
+    """Base of every request model: unknown fields are kept aside for the handlers to refuse by name;
+    declared fields take only their own JSON type (no booleans as numbers, numeric strings or 1 as
+    true)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @property
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+    def audited_extras(self) -> dict[str, Any]:
+        """The unknown fields the server must refuse (all of them, unless a model says otherwise)."""
+        return dict(self.model_extra or {})
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -172,6 +177,10 @@ class CompletionRequest(SamplingRequest):
 class TextContentPart(OpenAIBaseModel):
     type: str
     text: str | None = None
+
+    def audited_extras(self) -> dict[str, Any]:
+        # A part of another type (an image, a file) is refused whole, by its type.
+        return super().audited_extras() if self.type == "text" else {}
 
 
 class FunctionDefinition(OpenAIBaseModel):

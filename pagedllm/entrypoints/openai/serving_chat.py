@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.chat_output import ChoiceDelta, ChoiceOutput
+from pagedllm.entrypoints.openai.field_checks import CHAT_FIELDS
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -66,22 +67,6 @@ def _usage(out: RequestOutput | None, prompt_len: int) -> UsageInfo:
     )
 
 
-def check_unsupported(request: ChatCompletionRequest) -> None:
-    """Refuse, naming the field, what would change the answer but is not served: the deprecated
-    function-calling fields and audio output (ignoring them would answer a different question)."""
-    extra = request.model_extra or {}
-    if extra.get("functions"):
-        raise OpenAIError("functions is deprecated and not supported; send tools instead.", param="functions")
-    if extra.get("function_call") not in (None, "none", "auto"):
-        raise OpenAIError(
-            "function_call is deprecated and not supported; send tool_choice instead.", param="function_call"
-        )
-    if extra.get("audio") is not None:
-        raise OpenAIError("audio: audio output is not supported.", param="audio")
-    if extra.get("modalities") not in (None, ["text"]):
-        raise OpenAIError('modalities: only ["text"] is supported.', param="modalities")
-
-
 class OpenAIServingChat(OpenAIServing):
     """Handles the chat completions endpoint.
 
@@ -130,9 +115,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
-        self.log_unknown_fields(request)
+        self.check_fields(request, CHAT_FIELDS)
         self.check_engine()
-        check_unsupported(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         self.check_request_modes(request)

@@ -59,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
-        self.log_unknown_fields(request)
+        self.check_fields(request)
         self.check_engine()
         if request.suffix:
             raise OpenAIError("suffix is not supported.", param="suffix")

@@ -15,6 +15,7 @@ from pagedllm.engine.async_engine import (
     RequestAbortedError,
 )
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.field_checks import FieldRule, check_fields
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.preprocess import Preprocessor
 from pagedllm.entrypoints.openai.protocol import (
@@ -152,11 +153,10 @@ class OpenAIServing:
             f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
         )
 
-    def log_unknown_fields(self, request: OpenAIBaseModel) -> None:
-        if request.unknown_fields:
-            logger.warning(
-                "Ignoring unknown request fields of %s: %s", type(request).__name__, request.unknown_fields
-            )
+    @staticmethod
+    def check_fields(request: OpenAIBaseModel, documented: dict[str, FieldRule] | None = None) -> None:
+        """A 400 naming the first field the server would otherwise ignore (see :mod:`.field_checks`)."""
+        check_fields(request, documented)
 
     def check_engine(self) -> None:
         if not self.engine.is_running:

@@ -16,7 +16,7 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_model(request.model)
-        self.log_unknown_fields(request)
+        self.check_fields(request)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Exactly one of prompt and messages must be given.", param="prompt")
         if request.messages is not None:
@@ -37,6 +37,6 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
-        self.log_unknown_fields(request)
+        self.check_fields(request)
         text = await self.preprocessor.decode(request.tokens, int(self.engine.engine.vocab_size))
         return DetokenizeResponse(prompt=text)
