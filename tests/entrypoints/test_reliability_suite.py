@@ -400,7 +400,7 @@ BAD_INPUTS = [
     # ---- unknown routes and wrong methods
     bad("unknown-route", "GET", "/nope", 404, None, code="not_found"),
     bad("unknown-model-route", "GET", "/v1/models/suite-model", 404, None),
-    bad("embeddings-not-served", "POST", "/v1/embeddings", 404, None, body={"input": "Hi"}),
+    bad("embeddings-on-generate-server", "POST", "/v1/embeddings", 400, None, body={"input": "Hi"}, code="wrong_task"),
     bad("completions-get", "GET", C, 405, None, code="method_not_allowed"),
     bad("chat-put", "PUT", CH, 405, None, body=CHAT),
     bad("models-post", "POST", "/v1/models", 405, None),
