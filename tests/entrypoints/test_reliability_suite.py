@@ -409,6 +409,41 @@ BAD_INPUTS = [
     bad("version-post", "POST", "/version", 405, None),
     bad("tokenize-get", "GET", TOK, 405, None),
     bad("detokenize-patch", "PATCH", DETOK, 405, None, body={"tokens": [1]}),
+    # ---- /v1/responses
+    bad(
+        "responses-previous_response_id",
+        "POST",
+        "/v1/responses",
+        400,
+        "previous_response_id",
+        body={"input": "Hi", "previous_response_id": "resp_1"},
+        says="not kept",
+    ),
+    bad("responses-store", "POST", "/v1/responses", 400, "store", body={"input": "Hi", "store": True}),
+    bad(
+        "responses-built-in-tool",
+        "POST",
+        "/v1/responses",
+        400,
+        "tools",
+        body={"input": "Hi", "tools": [{"type": "web_search"}]},
+    ),
+    bad(
+        "responses-image",
+        "POST",
+        "/v1/responses",
+        400,
+        "input",
+        body={"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    ),
+    bad(
+        "responses-unknown-field",
+        "POST",
+        "/v1/responses",
+        400,
+        "service_tier",
+        body={"input": "Hi", "service_tier": "flex"},
+    ),
 ]
 
 

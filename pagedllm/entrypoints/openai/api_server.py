@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (``pagedllm serve``).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``, ``/health``,
-``/metrics``, ``/tokenize``, ``/detokenize``, ``/version`` and the API documents (``/docs``, ``/redoc``,
-``/openapi.json``; off with ``--disable-fastapi-docs``). With ``--api-key`` every route but ``/health``
+``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, ``/v1/responses`` (a view over chat
+completions) and the API documents (``/docs``, ``/redoc``, ``/openapi.json``; off with
+``--disable-fastapi-docs``). With ``--api-key`` every route but ``/health``
 needs the key (``/metrics`` too unless ``--metrics-without-auth``). Every error is answered with
 OpenAI's ``{"error": {...}}`` object. Requests are tokenized and chat templates rendered on worker
 threads (:mod:`pagedllm.entrypoints.openai.preprocess`), within the limits of
@@ -26,7 +27,7 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -71,6 +72,7 @@ from pagedllm.entrypoints.openai.protocol import (
     VersionResponse,
 )
 from pagedllm.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
+from pagedllm.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import (
@@ -78,6 +80,7 @@ from pagedllm.entrypoints.openai.serving_embedding import (
     engine_task,
     wrong_task_error,
 )
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 __all__ = [
@@ -124,6 +127,11 @@ class Serving:
     chat: OpenAIServingChat
     tokenization: OpenAIServingTokenization
     embedding: OpenAIServingEmbedding
+    # A view over ``chat``: each Responses request is answered by the chat handler.
+    responses: OpenAIServingResponses = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.responses = OpenAIServingResponses(self.chat)
 
 
 def _serving(request: Request) -> Serving:
@@ -207,6 +215,12 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     response = await _serving(raw_request).tokenization.detokenize(request)
     return JSONResponse(response.model_dump())
+
+
+@router.post("/v1/responses", responses=route_responses(ResponseObject, GENERATION_ERRORS, stream=True))
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    serving = _generating(raw_request, "/v1/responses")
+    return await serving.responses.create_response(request, raw_request)
 
 
 def build_app(
