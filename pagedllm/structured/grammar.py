@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.request import GrammarState
 
 
@@ -66,6 +67,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, grammars: Sequence[GrammarState 
     matchers = [g.matcher for g in grammars if g is not None]
     bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
     _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+    if cpu_ops.usable(logits) and logits.stride(1) == 1:
+        cpu_ops.apply_token_bitmask(logits, bitmask, rows)  # several times faster than xgrammar's CPU kernel
+        return
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)

@@ -349,3 +349,29 @@ def test_cpu_memory_settings() -> None:
     small = torch.empty(16)  # no whole huge page inside
     assert not cpu_memory.advise_huge_pages(small)
     assert not cpu_memory.advise_huge_pages(torch.empty(8 << 20, device="meta"))
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 33])
+def test_token_bitmask_matches_xgrammar(vocab: int) -> None:
+    import xgrammar as xgr
+
+    from pagedllm.kernels.cpu.ops import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 6
+    logits = torch.randn(rows, vocab, generator=gen)
+    bitmask = xgr.allocate_token_bitmask(rows, vocab)
+    bitmask.copy_(
+        torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+    )
+    bitmask[1] = 0  # nothing allowed
+    bitmask[2] = -1  # everything allowed
+    bitmask[3, ::2] = 0  # sparse words, as a grammar's mask mostly is
+    chosen = [0, 1, 2, 3, 5]  # row 4 is left alone
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab, indices=chosen)
+    got = logits.clone()
+    apply_token_bitmask(got, bitmask, chosen)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[4], logits[4]) and torch.equal(got[2], logits[2])
+    assert torch.isinf(got[1]).all()

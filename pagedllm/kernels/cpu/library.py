@@ -51,6 +51,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "rotary_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "max_logsumexp_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "softmax_row_f32": [_PTR, _I64],
+    "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
     "panel_weight_floats": [_I64, _I64],
     "pack_panels_f32": [_PTR, _I64, _I64, _PTR],
     "panel_linear_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],

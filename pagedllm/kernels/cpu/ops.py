@@ -103,3 +103,18 @@ def max_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
             x2.data_ptr(), x2.stride(0), rows, n, best.data_ptr(), index.data_ptr(), lse.data_ptr()
         )
     return best, index, lse
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to ``-inf``, in place, the logits of ``rows`` whose token bit is 0 in the row of ``bitmask``
+    (int32, 32 tokens per word, xgrammar's layout) with the same index."""
+    vocab = logits.shape[-1]
+    if logits.dim() != 2 or logits.stride(1) != 1 or bitmask.dtype != torch.int32 or bitmask.stride(1) != 1:
+        raise ValueError("apply_token_bitmask needs 2-D row-major float32 logits and int32 bitmask")
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
+    index = torch.tensor(rows, dtype=torch.int64)
+    load_library().apply_token_bitmask_f32(
+        logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+        index.data_ptr(), len(rows), vocab,
+    )  # fmt: skip
