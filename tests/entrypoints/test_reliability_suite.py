@@ -575,9 +575,9 @@ def test_served_openapi_document_is_the_fuzzed_one(server: RemoteServer) -> None
 
 def _bound_generation(case: Any) -> None:
     body = case.body
-    if case.path not in (C, CH) or not isinstance(body, dict):
+    if case.path not in (C, CH, "/v1/responses") or not isinstance(body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if value is None or (type(value) is int and value > FUZZ_MAX_TOKENS):
             body[name] = FUZZ_MAX_TOKENS
