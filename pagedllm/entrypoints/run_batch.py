@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.openai.cli_args import configure_logging, engine_config_from_args
 from pagedllm.entrypoints.openai.limits import DEFAULT_CHAT_TEMPLATE_TIMEOUT
 
 logger = logging.getLogger("pagedllm.entrypoints.run_batch")
@@ -279,9 +280,7 @@ def check_files(input_file: str, output_file: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Answer the input file; 0 when every line was answered, 1 when the engine failed, 2 on bad
     arguments."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s", force=True
-    )
+    configure_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     problem = check_files(args.input_file, args.output_file)
     if problem is None and not args.chat_template_timeout > 0:
@@ -289,10 +288,8 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         logger.error(problem)
         return 2
-    try:
-        config = EngineConfig.from_cli_args(args, model=args.model)
-    except ValueError as exc:
-        logger.error("Invalid engine arguments: %s", exc)
+    config = engine_config_from_args(args)
+    if config is None:
         return 2
     with open(args.input_file, "rb") as f:
         lines = parse_lines(f.read().splitlines())

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 
+from helpers.server import TOOL_TEMPLATE
 from pagedllm.bench.structured import (
     BENCHMARK_SCHEMA,
     BENCHMARK_TOOLS,
@@ -18,8 +18,6 @@ from pagedllm.bench.structured import (
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_calls import JsonArrayToolParser, plan_tools
 from pagedllm.sampling_params import SamplingParams
-
-TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "chat_templates" / "smollm2_hermes_tools.jinja"
 
 
 def test_structured_benchmark_compares_equal_work(default_llm: Any) -> None:
@@ -32,7 +30,7 @@ def test_structured_benchmark_compares_equal_work(default_llm: Any) -> None:
 
 
 def test_tool_call_benchmark_generates_valid_calls(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(chat_template=str(TEMPLATE), num_kv_blocks=128)
+    llm = make_llm(chat_template=str(TOOL_TEMPLATE), num_kv_blocks=128)
     result = measure_tool_call_throughput(llm, num_requests=3, max_tokens=48)
     assert result.constrained_tokens == result.unconstrained_tokens > 0
     # The constrained replies are the server's required tool calls, naming declared functions.

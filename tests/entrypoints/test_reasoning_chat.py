@@ -11,9 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from helpers.server import REPO_ROOT, SMALL_ENGINE_ARGS, RemoteServer
+from helpers.server import SMALL_ENGINE_ARGS, TOOL_TEMPLATE, RemoteServer
 
-TEMPLATE = REPO_ROOT / "examples" / "chat_templates" / "smollm2_hermes_tools.jinja"
 SHOTS: list[dict[str, Any]] = [
     {"role": "user", "content": "What is 2+2?"},
     {"role": "assistant", "content": "<think>Two plus two makes four.</think>4"},
@@ -37,7 +36,7 @@ TOOL = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
-    args = [*SMALL_ENGINE_ARGS, "--reasoning-parser", "deepseek_r1", "--chat-template", str(TEMPLATE)]
+    args = [*SMALL_ENGINE_ARGS, "--reasoning-parser", "deepseek_r1", "--chat-template", str(TOOL_TEMPLATE)]
     with RemoteServer(args) as srv:
         yield srv
         srv.wait_idle()

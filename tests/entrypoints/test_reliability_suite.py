@@ -321,7 +321,12 @@ BAD_INPUTS = [
         tools=[{"type": "function", "function": {"name": "f"}}],
         tool_choice={"type": "function", "function": {"name": "g"}},
     ),
-    chat("tools-bad-name", "tools", tools=[{"type": "function", "function": {"name": "a b"}}], tool_choice="none"),
+    chat(
+        "tools-bad-name",
+        "tools",
+        tools=[{"type": "function", "function": {"name": "a b"}}],
+        tool_choice="none",
+    ),
     chat(
         "tools-parameters-not-object",
         "tools[0].function.parameters",
@@ -400,7 +405,15 @@ BAD_INPUTS = [
     # ---- unknown routes and wrong methods
     bad("unknown-route", "GET", "/nope", 404, None, code="not_found"),
     bad("unknown-model-route", "GET", "/v1/models/suite-model", 404, None),
-    bad("embeddings-on-generate-server", "POST", "/v1/embeddings", 400, None, body={"input": "Hi"}, code="wrong_task"),
+    bad(
+        "embeddings-on-generate-server",
+        "POST",
+        "/v1/embeddings",
+        400,
+        None,
+        body={"input": "Hi"},
+        code="wrong_task",
+    ),
     bad("completions-get", "GET", C, 405, None, code="method_not_allowed"),
     bad("chat-put", "PUT", CH, 405, None, body=CHAT),
     bad("models-post", "POST", "/v1/models", 405, None),

@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from helpers.server import REPO_ROOT, SMALL_ENGINE_ARGS, RemoteServer
+from helpers.server import RemoteServer
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.responses_output import (
     ResponseTemplate,
@@ -28,7 +28,6 @@ from pagedllm.entrypoints.openai.responses_output import (
     response_from_chat,
 )
 
-TEMPLATE = REPO_ROOT / "examples" / "chat_templates" / "smollm2_hermes_tools.jinja"
 QUESTION = "Name three colours of the rainbow."
 COUNTING = "Count from 1 to 1000, separated by commas."  # greedy: a reply of over 100 tokens
 
@@ -86,18 +85,9 @@ CALL_EVENTS = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RemoteServer]:
-    args = [
-        *SMALL_ENGINE_ARGS,
-        "--chat-template",
-        str(TEMPLATE),
-        "--tool-call-parser",
-        "hermes",
-        "--enable-auto-tool-choice",
-    ]
-    with RemoteServer(args) as srv:
-        yield srv
-        srv.wait_idle()
+def server(tool_server: RemoteServer) -> Iterator[RemoteServer]:
+    yield tool_server
+    tool_server.wait_idle()
 
 
 @pytest.fixture(scope="module")

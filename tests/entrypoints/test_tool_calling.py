@@ -18,9 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers.server import REPO_ROOT, SMALL_ENGINE_ARGS, RemoteServer
-
-TEMPLATE = REPO_ROOT / "examples" / "chat_templates" / "smollm2_hermes_tools.jinja"
+from helpers.server import RemoteServer
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -139,18 +137,9 @@ FEW_SHOT: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RemoteServer]:
-    args = [
-        *SMALL_ENGINE_ARGS,
-        "--chat-template",
-        str(TEMPLATE),
-        "--tool-call-parser",
-        "hermes",
-        "--enable-auto-tool-choice",
-    ]
-    with RemoteServer(args) as srv:
-        yield srv
-        srv.wait_idle()
+def server(tool_server: RemoteServer) -> Iterator[RemoteServer]:
+    yield tool_server
+    tool_server.wait_idle()
 
 
 @pytest.fixture(scope="module")

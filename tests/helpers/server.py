@@ -20,6 +20,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # A small engine: short context and KV cache keep start-up and memory low on CPU.
 SMALL_ENGINE_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
+# The shipped Hermes-style tool template for SmolLM2 (its own template has no tool section).
+TOOL_TEMPLATE = REPO_ROOT / "examples" / "chat_templates" / "smollm2_hermes_tools.jinja"
+# A server that calls tools: the template, and the parser for tool_choice "auto".
+TOOL_SERVER_ARGS = [
+    *SMALL_ENGINE_ARGS,
+    "--chat-template",
+    str(TOOL_TEMPLATE),
+    "--tool-call-parser",
+    "hermes",
+    "--enable-auto-tool-choice",
+]
 
 
 def free_port() -> int:

@@ -35,7 +35,6 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.metrics import CONTENT_TYPE, EngineMetrics
 from pagedllm.entrypoints.openai.cli_args import (
@@ -44,6 +43,8 @@ from pagedllm.entrypoints.openai.cli_args import (
     ServerSettings,
     add_cli_args,
     check_args,
+    configure_logging,
+    engine_config_from_args,
     settings_from_args,
 )
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -379,17 +380,13 @@ class GracefulServer(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/SIGINT, and return the exit status."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s", force=True
-    )
+    configure_logging(args.log_level)
     problem = check_args(args)
     if problem is not None:
         logger.error(problem)
         return 2
-    try:
-        config = EngineConfig.from_cli_args(args, model=args.model)
-    except ValueError as exc:
-        logger.error("Invalid engine arguments: %s", exc)
+    config = engine_config_from_args(args)
+    if config is None:
         return 2
 
     from pagedllm.engine.llm_engine import LLMEngine

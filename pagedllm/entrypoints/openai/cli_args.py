@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -221,3 +222,19 @@ def settings_from_args(args: argparse.Namespace, served_model_name: str, max_log
             chat_template_timeout=args.chat_template_timeout,
         ),
     )
+
+
+def configure_logging(level: str) -> None:
+    """The log format of the command-line tools, at ``level`` (``--log-level``)."""
+    logging.basicConfig(
+        level=level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s", force=True
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig | None:
+    """The engine arguments of ``args``, or None (the problem logged) when they are invalid."""
+    try:
+        return EngineConfig.from_cli_args(args, model=args.model)
+    except ValueError as exc:
+        logging.getLogger("pagedllm").error("Invalid engine arguments: %s", exc)
+        return None

@@ -30,13 +30,12 @@ from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers.base import (
     Bad,
     Call,
+    CallObjectScanner,
     Done,
     JsonScanner,
     More,
     Skip,
     Step,
-    call_from_json,
-    early_json_name,
     normalize_arguments,
 )
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -186,8 +185,7 @@ class JsonArrayToolParser(ToolParser):
     def __init__(self, id_factory: Callable[[], str] | None = None) -> None:
         super().__init__(id_factory)
         self._state: Literal["open", "item", "inside", "after"] = "open"
-        self._scanner: JsonScanner | None = None
-        self._name: str | None = None
+        self._call: CallObjectScanner | None = None
 
     def _locate(self, text: str, start: int, final: bool) -> tuple[int, int | None]:
         return 0, 0
@@ -195,15 +193,11 @@ class JsonArrayToolParser(ToolParser):
     def _step(self, final: bool) -> Step:
         text = self._text
         if self._state == "inside":
-            assert self._scanner is not None
-            end = self._scanner.advance(text)
-            if end is None:
-                if self._name is None:
-                    self._name = early_json_name(text, self._scanner.start)
-                return More(self._name)
-            parsed = call_from_json(text[self._scanner.start : end])
-            self._state = "after"
-            return Bad() if parsed is None else Call(parsed[0], parsed[1], end)
+            assert self._call is not None
+            step = self._call.step(text)
+            if not isinstance(step, More):
+                self._state = "after"
+            return step
         i = self._skip_ws(self._pos)
         if i == len(text):
             return More()
@@ -225,8 +219,7 @@ class JsonArrayToolParser(ToolParser):
         if c != "{":
             return Bad()
         self._state = "inside"
-        self._scanner = JsonScanner(i)
-        self._name = None
+        self._call = CallObjectScanner(i)
         return Skip(i)
 
 

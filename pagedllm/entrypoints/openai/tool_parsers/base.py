@@ -315,6 +315,26 @@ class JsonScanner:
         return end
 
 
+class CallObjectScanner:
+    """Reads one call object (``{"name": ..., "arguments"|"parameters": {...}}``) that starts at
+    ``start``, a chunk at a time: ``More`` (with the name once it is known) while it is open, then
+    the ``Call``, or ``Bad`` when it is not a call."""
+
+    def __init__(self, start: int) -> None:
+        self._scanner = JsonScanner(start)
+        self._name: str | None = None
+
+    def step(self, text: str) -> More | Call | Bad:
+        start = self._scanner.start
+        end = self._scanner.advance(text)
+        if end is None:
+            if self._name is None:
+                self._name = early_json_name(text, start)
+            return More(self._name)
+        parsed = call_from_json(text[start:end])
+        return Bad() if parsed is None else Call(parsed[0], parsed[1], end)
+
+
 def normalize_arguments(value: Any) -> str | None:
     """A call's arguments as OpenAI's JSON string, or ``None`` when they are not a JSON object.
 

@@ -18,15 +18,12 @@ from typing import Literal
 
 from pagedllm.entrypoints.openai.tool_parsers.base import (
     Bad,
-    Call,
+    CallObjectScanner,
     Done,
-    JsonScanner,
     More,
     Skip,
     Step,
     ToolParser,
-    call_from_json,
-    early_json_name,
 )
 
 PYTHON_TAG = "<|python_tag|>"
@@ -41,8 +38,7 @@ class Llama3JsonToolParser(ToolParser):
         super().__init__(id_factory)
         self._decided = False
         self._state: Literal["start", "object", "inside", "after"] = "start"
-        self._scanner: JsonScanner | None = None
-        self._name: str | None = None
+        self._call: CallObjectScanner | None = None
 
     def _locate(self, text: str, start: int, final: bool) -> tuple[int, int | None]:
         if self._decided:
@@ -58,15 +54,11 @@ class Llama3JsonToolParser(ToolParser):
     def _step(self, final: bool) -> Step:
         text = self._text
         if self._state == "inside":
-            assert self._scanner is not None
-            end = self._scanner.advance(text)
-            if end is None:
-                if self._name is None:
-                    self._name = early_json_name(text, self._scanner.start)
-                return More(self._name)
-            parsed = call_from_json(text[self._scanner.start : end])
-            self._state = "after"
-            return Bad() if parsed is None else Call(parsed[0], parsed[1], end)
+            assert self._call is not None
+            step = self._call.step(text)
+            if not isinstance(step, More):
+                self._state = "after"
+            return step
         i = self._skip_ws(self._pos)
         if self._state == "start":
             self._state = "object"
@@ -81,6 +73,5 @@ class Llama3JsonToolParser(ToolParser):
         if text[i] != "{":
             return Bad()
         self._state = "inside"
-        self._scanner = JsonScanner(i)
-        self._name = None
+        self._call = CallObjectScanner(i)
         return Skip(i)

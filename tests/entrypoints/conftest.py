@@ -1,0 +1,18 @@
+"""Fixtures shared by the server tests of this folder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from helpers.server import TOOL_SERVER_ARGS, RemoteServer
+
+
+@pytest.fixture(scope="session")
+def tool_server() -> Iterator[RemoteServer]:
+    """One server with the tool template and the hermes parser, for the tool-calling and Responses
+    tests; every KV block is free when it stops."""
+    with RemoteServer(TOOL_SERVER_ARGS) as srv:
+        yield srv
+        srv.wait_idle()
