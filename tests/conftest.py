@@ -56,6 +56,14 @@ def default_llm(make_llm: Callable[..., Any]) -> Any:
 
 
 @pytest.fixture(scope="session")
+def tool_llm(make_llm: Callable[..., Any]) -> Any:
+    """The default model with the shipped Hermes-style tool template as its chat template."""
+    from helpers.server import TOOL_TEMPLATE
+
+    return make_llm(chat_template=str(TOOL_TEMPLATE), num_kv_blocks=128)
+
+
+@pytest.fixture(scope="session")
 def float_llm(make_llm: Callable[..., Any]) -> Any:
     """The default model dequantized to float32 (``quantization="none"``): the engine that is compared
     with HF transformers token for token."""

@@ -21,6 +21,7 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.generation_config import load_generation_defaults
 from pagedllm.model.pooling import resolve_pooling_config
+from pagedllm.model.tokenizer import template_handles_tools
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
@@ -447,9 +448,21 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a conversation; ``tools`` (OpenAI tool objects) need a template that
+        renders them (ValueError otherwise: the model would never see them)."""
+        if tools and not template_handles_tools(getattr(self.tokenizer, "chat_template", None)):
+            raise ValueError(
+                "tools: the chat template does not render tools; load the model with chat_template= a "
+                "template that does (for SmolLM2: examples/chat_templates/smollm2_hermes_tools.jinja)."
+            )
         return str(
             self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools or None
             )
         )

@@ -90,15 +90,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations (chat template applied)."""
+        """Generate replies to one conversation or a list of conversations (chat template applied).
+
+        ``tools`` (OpenAI tool objects) are rendered by the chat template, which must have a tool
+        section; the replies are the model's text (parse calls with
+        :func:`pagedllm.entrypoints.openai.tool_parsers.get_tool_parser`)."""
         conversations: list[list[Message]]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = messages  # type: ignore[assignment]
         prompts: list[Prompt] = [
-            self.llm_engine.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            self.llm_engine.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tools=tools
+            )
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

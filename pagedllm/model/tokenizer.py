@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -152,3 +153,8 @@ def with_chat_template(
     copied = copy.copy(tokenizer)
     copied.chat_template = source
     return copied
+
+
+def template_handles_tools(template: str | None) -> bool:
+    """Whether a chat template reads the ``tools`` variable (renders the declared tools)."""
+    return template is not None and re.search(r"\btools\b", template) is not None

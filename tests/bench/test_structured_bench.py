@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import jsonschema
 
-from helpers.server import TOOL_TEMPLATE
 from pagedllm.bench.structured import (
     BENCHMARK_SCHEMA,
     BENCHMARK_TOOLS,
@@ -29,8 +27,8 @@ def test_structured_benchmark_compares_equal_work(default_llm: Any) -> None:
     default_llm.llm_engine.check_idle()
 
 
-def test_tool_call_benchmark_generates_valid_calls(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(chat_template=str(TOOL_TEMPLATE), num_kv_blocks=128)
+def test_tool_call_benchmark_generates_valid_calls(tool_llm: Any) -> None:
+    llm = tool_llm
     result = measure_tool_call_throughput(llm, num_requests=3, max_tokens=48)
     assert result.constrained_tokens == result.unconstrained_tokens > 0
     # The constrained replies are the server's required tool calls, naming declared functions.

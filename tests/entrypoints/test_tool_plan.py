@@ -132,3 +132,26 @@ def test_named_parser() -> None:
     streaming = NamedToolParser("get_weather")
     first = streaming.feed("{")
     assert [(p.name, p.arguments) for p in first.tool_calls] == [("get_weather", None)]
+
+
+def test_offline_chat_renders_tools(default_llm: Any, tool_llm: Any) -> None:
+    from pagedllm import SamplingParams
+    from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+    with pytest.raises(ValueError, match="tools: the chat template does not render tools"):
+        default_llm.chat([{"role": "user", "content": "Hi"}], tools=[WEATHER])
+    llm = tool_llm
+    prompt = llm.llm_engine.apply_chat_template([{"role": "user", "content": "Hi"}], tools=[WEATHER])
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt
+    few_shot = [
+        {"role": "user", "content": "What's the weather in Rome?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+        },
+        {"role": "user", "content": "What's the weather in Oslo?"},
+    ]
+    [out] = llm.chat(few_shot, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False, tools=[WEATHER])
+    calls = get_tool_parser("hermes")().extract(out.outputs[0].text)
+    assert calls.tools_called and calls.tool_calls[0].function.name == "get_weather", out.outputs[0].text
+    llm.llm_engine.check_idle()

@@ -20,7 +20,6 @@ import copy
 import json
 import logging
 import queue
-import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,6 +28,7 @@ from pagedllm.entrypoints.openai.chat_template import GuardedEnvironment, run_wi
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.model.tokenizer import template_handles_tools
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -164,11 +164,6 @@ def _template_tool_call(call: Any, param: str) -> dict[str, Any]:
         "type": call.type,
         "function": {"name": call.function.name, "arguments": arguments},
     }
-
-
-def template_handles_tools(template: str | None) -> bool:
-    """Whether a chat template reads the ``tools`` variable (renders the declared tools)."""
-    return template is not None and re.search(r"\btools\b", template) is not None
 
 
 class Preprocessor:
