@@ -130,6 +130,10 @@ def test_task_is_checked(minilm: LLM, default_llm: Any) -> None:
         LLM(MINILM_NAMES[1], num_kv_blocks=8)
     with pytest.raises(ValueError, match="max_model_len 512 is larger than the model's limit of 256"):
         LLM(MINILM_NAMES[1], max_model_len=512)
+    with pytest.raises(ValueError, match="pooling_type and pooling_normalize apply to task 'embed' only"):
+        LLM(pooling_type="mean")  # the default model generates; refused before it loads
+    with pytest.raises(ValueError, match="task must be one of auto, generate, embed"):
+        LLM(MINILM_NAMES[1], task="classify")
     default_llm.llm_engine.check_idle()
 
 
