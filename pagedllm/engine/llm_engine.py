@@ -463,6 +463,9 @@ class LLMEngine:
             )
         return str(
             self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools or None
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=list[Any](tools) if tools else None,
             )
         )
