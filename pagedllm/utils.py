@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def cache_root() -> Path:
@@ -14,3 +16,12 @@ def cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "pagedllm"
+
+
+def read_json(path: str) -> Any:
+    """The JSON value in the file at ``path``; ValueError naming the file when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"Could not read {path}: {exc}") from exc

@@ -15,7 +15,6 @@ is kept: a sequence is encoded whole in one forward.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+
+from pagedllm.utils import read_json
 
 # Hugging Face ``architectures`` entries this module runs (their heads are dropped).
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM")
@@ -47,7 +48,7 @@ def is_bert_checkpoint(model_dir: str) -> bool:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         return False
-    return is_bert_config(_read_json(path))
+    return is_bert_config(read_json(path))
 
 
 @dataclass
@@ -160,16 +161,8 @@ class BertConfig:
         return shapes
 
 
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"Could not read {path}: {exc}") from exc
-
-
 def load_bert_config(model_dir: str) -> BertConfig:
-    data = _read_json(os.path.join(model_dir, "config.json"))
+    data = read_json(os.path.join(model_dir, "config.json"))
     if not isinstance(data, dict):
         raise ValueError(f"{model_dir}/config.json does not contain a JSON object.")
     return BertConfig.from_hf_config(data)
@@ -185,7 +178,7 @@ def max_seq_length(model_dir: str, config: BertConfig) -> int:
     limit = config.max_position_embeddings
     path = os.path.join(model_dir, "sentence_bert_config.json")
     if os.path.isfile(path):
-        st = _read_json(path)
+        st = read_json(path)
         if isinstance(st, dict):
             if st.get("do_lower_case"):
                 raise ValueError(

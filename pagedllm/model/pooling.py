@@ -10,17 +10,16 @@ normalisation. A request's :class:`~pagedllm.pooling_params.PoolingParams` may a
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.config import POOLING_TYPES
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.utils import read_json
 
 # sentence-transformers Pooling modes -> pooling types; the other modes (max, mean_sqrt_len,
 # weightedmean) are not implemented and are refused.
@@ -70,21 +69,13 @@ class PoolingConfig:
             raise ValueError(f"dimensions must be one of the model's embedding sizes ({sizes}), got {d}.")
 
 
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"Could not read {path}: {exc}") from exc
-
-
 def sentence_transformers_pooling(model_dir: str) -> tuple[str, bool] | None:
     """``(pooling_type, normalize)`` of a sentence-transformers folder, or None when ``model_dir`` has
     no ``modules.json``. Raises ValueError for modules or pooling modes this engine does not run."""
     modules_path = os.path.join(model_dir, "modules.json")
     if not os.path.isfile(modules_path):
         return None
-    modules = _read_json(modules_path)
+    modules = read_json(modules_path)
     if not isinstance(modules, list):
         raise ValueError(f"{modules_path} does not contain a list of modules.")
     types = [str(m.get("type")) for m in modules if isinstance(m, dict)]
@@ -94,7 +85,7 @@ def sentence_transformers_pooling(model_dir: str) -> tuple[str, bool] | None:
     pooling = next((m for m in modules if m.get("type") == _ST_POOLING), None)
     if pooling is None:
         raise ValueError(f"{modules_path} names no Pooling module.")
-    config = _read_json(os.path.join(model_dir, str(pooling.get("path", "")), "config.json"))
+    config = read_json(os.path.join(model_dir, str(pooling.get("path", "")), "config.json"))
     modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
     if len(modes) != 1 or modes[0] not in _ST_MODES:
         raise ValueError(

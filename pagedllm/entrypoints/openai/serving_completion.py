@@ -169,38 +169,14 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
         """The prompts as token ids; text prompts are tokenized on the tokenizer thread."""
-        raw = request.prompt
-        items: list[str | list[int]]
-        if isinstance(raw, str):
-            items = [raw]
-        elif not raw:
-            raise OpenAIError("prompt must not be empty.", param="prompt")
-        elif all(isinstance(x, int) for x in raw):
-            items = [list(raw)]  # type: ignore[arg-type]
-        else:
-            items = list(raw)  # type: ignore[arg-type]
-        vocab_size = int(self.engine.engine.vocab_size)
+        items = self.prompt_items(request.prompt, "prompt")
         for item in items:
-            if isinstance(item, str):
-                continue
-            if len(item) > self.max_model_len:
+            if not isinstance(item, str) and len(item) > self.max_model_len:
                 raise context_length_error(self.max_model_len, len(item), None, "prompt")
-            bad = next((t for t in item if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise OpenAIError(
-                    f"prompt contains out-of-vocab token id {bad} (vocab size {vocab_size}).", param="prompt"
-                )
-        texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(
-            await self.preprocessor.encode(
-                texts, add_special_tokens=request.add_special_tokens, param="prompt"
-            )
-            if texts
-            else []
-        )
+        ids = await self.tokenize_items(items, add_special_tokens=request.add_special_tokens, param="prompt")
         return [
-            _Prompt(item, next(encoded)) if isinstance(item, str) else _Prompt(None, list(item))
-            for item in items
+            _Prompt(item if isinstance(item, str) else None, tokens)
+            for item, tokens in zip(items, ids, strict=True)
         ]
 
     def _prompt_text(self, prompt: _Prompt, output: RequestOutput | None = None) -> str:

@@ -108,40 +108,16 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def _prompts(self, request: EmbeddingRequest) -> list[list[int]]:
         """Every input as token ids (texts tokenized on the tokenizer thread), each checked."""
-        raw = request.input
-        items: list[str | list[int]]
-        if isinstance(raw, str):
-            items = [raw]
-        elif not raw:
-            raise OpenAIError("input must not be empty.", param="input")
-        elif all(isinstance(x, int) for x in raw):
-            items = [list(raw)]  # type: ignore[arg-type]
-        else:
-            items = list(raw)  # type: ignore[arg-type]
+        items = self.prompt_items(request.input, "input")
         if len(items) > MAX_EMBEDDING_INPUTS:
             raise OpenAIError(
                 f"input must have at most {MAX_EMBEDDING_INPUTS} entries, got {len(items)}.", param="input"
             )
         if any(len(item) == 0 for item in items):
             raise OpenAIError("input must not contain empty strings or empty token lists.", param="input")
-        vocab_size = int(self.engine.engine.vocab_size)
-        for item in items:
-            if isinstance(item, str):
-                continue
-            bad = next((t for t in item if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise OpenAIError(
-                    f"input contains out-of-vocab token id {bad} (vocab size {vocab_size}).", param="input"
-                )
-        texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(
-            await self.preprocessor.encode(
-                texts, add_special_tokens=request.add_special_tokens, param="input"
-            )
-            if texts
-            else []
+        prompts = await self.tokenize_items(
+            items, add_special_tokens=request.add_special_tokens, param="input"
         )
-        prompts = [next(encoded) if isinstance(item, str) else item for item in items]
         for ids in prompts:
             if not ids:
                 raise OpenAIError("input holds a text that tokenizes to no tokens.", param="input")

@@ -184,6 +184,39 @@ class OpenAIServing:
             raise context_length_error(self.max_model_len, prompt_len, max_tokens, param)
         return max_tokens
 
+    @staticmethod
+    def prompt_items(raw: str | list[str] | list[int] | list[list[int]], param: str) -> list[str | list[int]]:
+        """A prompt field (a text, texts, token ids or lists of them) as a list of texts and id lists."""
+        if isinstance(raw, str):
+            return [raw]
+        if not raw:
+            raise OpenAIError(f"{param} must not be empty.", param=param)
+        if all(isinstance(x, int) for x in raw):
+            return [list(raw)]  # type: ignore[arg-type]
+        return list(raw)  # type: ignore[arg-type]
+
+    async def tokenize_items(
+        self, items: list[str | list[int]], *, add_special_tokens: bool, param: str
+    ) -> list[list[int]]:
+        """The token ids of each item, in order: id lists checked against the vocabulary, texts
+        tokenized on the tokenizer thread."""
+        vocab_size = int(self.engine.engine.vocab_size)
+        for item in items:
+            if isinstance(item, str):
+                continue
+            bad = next((t for t in item if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise OpenAIError(
+                    f"{param} contains out-of-vocab token id {bad} (vocab size {vocab_size}).", param=param
+                )
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(
+            await self.preprocessor.encode(texts, add_special_tokens=add_special_tokens, param=param)
+            if texts
+            else []
+        )
+        return [next(encoded) if isinstance(item, str) else list(item) for item in items]
+
     # ------------------------------------------------------------------ sampling
 
     @staticmethod
