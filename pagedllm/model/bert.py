@@ -14,16 +14,15 @@ is kept: a sequence is encoded whole in one forward.
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
+from pagedllm.model.hf_loader import load_safetensors_float32
 from pagedllm.utils import read_json
 
 # Hugging Face ``architectures`` entries this module runs (their heads are dropped).
@@ -190,22 +189,20 @@ def max_seq_length(model_dir: str, config: BertConfig) -> int:
     return limit
 
 
+def _encoder_name(stored: str) -> str | None:
+    """A checkpoint tensor's name in the encoder (a ``bert.`` prefix dropped), or None for heads and
+    buffers the encoder does not use."""
+    name = stored.removeprefix("bert.")
+    return None if name.startswith(_UNUSED_PREFIXES) or name in _UNUSED_NAMES else name
+
+
 def load_bert_weights(model_dir: str, config: BertConfig) -> dict[str, torch.Tensor]:
     """The encoder's tensors from the folder's ``*.safetensors`` as float32, named as in
     :meth:`BertConfig.weight_shapes` (a ``bert.`` prefix is dropped; heads and buffers are skipped).
 
     Raises ValueError naming the folder when a tensor is missing, unexpected or of the wrong shape.
     """
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"No *.safetensors files in model directory {model_dir}.")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(file).items():
-            name = name.removeprefix("bert.")
-            if name.startswith(_UNUSED_PREFIXES) or name in _UNUSED_NAMES:
-                continue
-            weights[name] = tensor.to(torch.float32).contiguous()
+    weights = load_safetensors_float32(model_dir, _encoder_name)
     expected = config.weight_shapes()
     missing = [n for n in expected if n not in weights]
     unexpected = [n for n in weights if n not in expected]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,23 +46,34 @@ def load_hf_config(model_dir: str) -> ModelConfig:
     return config
 
 
+def load_safetensors_float32(model_dir: str, rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's ``*.safetensors`` files as contiguous float32, under the name
+    ``rename`` gives it (None: skipped). A name found twice is a ValueError; no file at all is a
+    FileNotFoundError."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors files in model directory {model_dir}.")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for stored, tensor in load_file(file).items():
+            name = rename(stored)
+            if name is None:
+                continue
+            if name in weights:
+                raise ValueError(f"Tensor {name} appears more than once in {model_dir}.")
+            weights[name] = tensor.to(torch.float32).contiguous()
+    return weights
+
+
 def load_hf_weights(model_dir: str, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's ``*.safetensors`` files, as float32, checked against ``config``.
 
     When the embeddings are tied, a stored ``lm_head.weight`` is dropped; when the checkpoint has no
     ``lm_head.weight`` at all, ``config.tie_word_embeddings`` is set (the model cannot be untied).
     """
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"No *.safetensors files in model directory {model_dir}.")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(file).items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name in weights:
-                raise ValueError(f"Tensor {name} appears in more than one file of {model_dir}.")
-            weights[name] = tensor.to(torch.float32).contiguous()
+    weights = load_safetensors_float32(
+        model_dir, lambda name: None if name.endswith(_IGNORED_SUFFIXES) else name
+    )
     if "lm_head.weight" not in weights:
         config.tie_word_embeddings = True
     elif config.tie_word_embeddings:
