@@ -37,6 +37,14 @@ BENCHMARKS = {
         "pagedllm.bench.embed",
         "Embedding throughput of LLM.embed (default all-MiniLM-L6-v2) against transformers' BertModel.",
     ),
+    "prefix-routing": (
+        "pagedllm.bench.prefix_routing",
+        "Prefix-cache hit rate of data-parallel prefix routing against one core and round-robin.",
+    ),
+    "multiprocess": (
+        "pagedllm.bench.multiprocess",
+        "Offline throughput with the engine in a core process against in-process, on the same workload.",
+    ),
 }
 
 

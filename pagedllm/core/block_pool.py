@@ -31,6 +31,10 @@ class BlockPool:
       at its back, so cached blocks freed long ago are evicted first;
     - ``cached[h]`` is the block registered under hash ``h``; a free block may stay registered
       (cached and unreferenced) until it is taken for a new use, which unregisters it.
+
+    With ``report_events`` every hash that enters ``cached`` is appended to ``added`` and every one
+    that leaves it to ``removed``, in order, until the owner takes them (:meth:`take_events`): what a
+    data-parallel front-end needs to know where prefixes are cached.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
@@ -39,6 +43,25 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, KVBlock] = {}
+        self.report_events = False
+        self.added: list[int] = []
+        self.removed: list[int] = []
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """The hashes registered and dropped since the previous call (``report_events`` only)."""
+        added, removed = self.added, self.removed
+        self.added, self.removed = [], []
+        return added, removed
+
+    def _forget(self, block: KVBlock) -> None:
+        """Unregister a block's hash (if it is the one registered under it)."""
+        h = block.block_hash
+        if h is not None and self.cached.get(h) is block:
+            del self.cached[h]
+            if self.report_events:
+                self.removed.append(h)
+        block.block_hash = None
+        block.token_ids = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,10 +92,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
-                block.token_ids = None
+                self._forget(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -99,23 +119,19 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block
+        if self.report_events:
+            self.added.append(block_hash)
         return True
 
     def uncache(self, block_ids: list[int]) -> None:
         """Forget the hashes of these blocks (they stay allocated or free as they are)."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = None
+            self._forget(self.blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible while no block is referenced."""
         if len(self.free_queue) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self.cached.clear()
+            self._forget(block)
         return True

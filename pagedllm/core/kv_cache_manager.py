@@ -7,7 +7,23 @@ from dataclasses import dataclass
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.request import Request
 
-_ROOT_HASH = hash("pagedllm-prefix-root")
+# The chain's start. Python hashes tuples of ints the same way in every process (unlike strings), so
+# a front-end computes the hashes a core's prefix cache uses (for prefix-aware routing).
+_ROOT_HASH = 0x5EED_0F_B10C5
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """The chained hashes of the full blocks of ``token_ids`` (at most ``max_blocks``), as a
+    prefix-caching KV cache manager with this block size registers them."""
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out: list[int] = []
+    parent = _ROOT_HASH
+    for i in range(n):
+        parent = hash_block(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        out.append(parent)
+    return out
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
+from pagedllm.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from pagedllm.engine.metrics import EngineMetrics, StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
@@ -71,18 +72,6 @@ class SyncEngine(Protocol):
     def get_stats(self) -> EngineStats: ...
 
     def pop_token_intervals(self) -> list[float]: ...
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (crashed or shut down); the request cannot be served."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue would hold more than ``max_queued_requests`` sequences."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted by the server (for example at the end of a shutdown grace period)."""
 
 
 class _Stream:
@@ -189,6 +178,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._started = False
         self._ids = itertools.count()
         self._latest_stats = EngineStats()
 
@@ -207,6 +197,7 @@ class AsyncLLMEngine:
             return
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
+        self._started = True
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still in flight fail with :class:`EngineDeadError`."""
@@ -279,12 +270,12 @@ class AsyncLLMEngine:
         """Hand a request to the engine thread and wait until the engine has accepted it."""
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
-            if self._dead is not None or self._thread is None:
+            if self._dead is not None or not self._started:
                 raise EngineDeadError(self.dead_message())
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             self._streams[request_id] = stream
-            self._commands.put(_Add(stream, prompt, params))
+            self._send(_Add(stream, prompt, params))
         try:
             await stream.accepted
         except BaseException:
@@ -391,7 +382,7 @@ class AsyncLLMEngine:
         with self._lock:
             live = [rid for rid in ids if self._streams.pop(rid, None) is not None]
             if live and self._dead is None:
-                self._commands.put(_Abort(live))
+                self._send(_Abort(live))
 
     def abort_all(self, message: str = "The request was aborted by the server.") -> int:
         """Abort every request in flight; their callers get :class:`RequestAbortedError`."""
@@ -399,10 +390,15 @@ class AsyncLLMEngine:
             streams = list(self._streams.values())
             self._streams.clear()
             if streams and self._dead is None:
-                self._commands.put(_Abort([s.request_id for s in streams]))
+                self._send(_Abort([s.request_id for s in streams]))
         for s in streams:
             s.fail(RequestAbortedError(message))
         return len(streams)
+
+    def _send(self, command: _Command) -> None:
+        """Hand a command to whatever runs the engine (here: the engine thread's queue). Called with
+        ``_lock`` held, so that commands keep the order of the calls that made them."""
+        self._commands.put(command)
 
     def dead_message(self) -> str:
         if self._dead is None:

@@ -32,6 +32,22 @@ class InputLimits:
     max_num_seqs: int  # the most sequences that run at once: a request's n is at most this
 
 
+def tokenize_prompt(tokenizer: Any, prompt: str | list[int], vocab_size: int) -> tuple[str | None, list[int]]:
+    """A prompt's text (None when given as ids) and token ids; ValueError when it is empty or has an
+    id outside the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty.")
+        return prompt, list(tokenizer.encode(prompt, add_special_tokens=True))
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt must not be empty.")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt contains token id {t!r} outside the vocabulary (size {vocab_size}).")
+    return None, ids
+
+
 @dataclass
 class ProcessedRequest:
     """A validated request: its prompt text (None for token ids) and its ``n`` sequences."""
@@ -65,20 +81,7 @@ class InputProcessor:
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (None when given as ids) and token ids; ValueError when empty or out of
         the vocabulary."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty.")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty.")
-        vocab_size = self.limits.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                raise ValueError(
-                    f"prompt contains token id {t!r} outside the vocabulary (size {vocab_size})."
-                )
-        return None, ids
+        return tokenize_prompt(self.tokenizer, prompt, self.limits.vocab_size)
 
     def bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Token sequences of each bad word, as written and with one leading space."""

@@ -21,7 +21,7 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.generation_config import load_generation_defaults
 from pagedllm.model.pooling import resolve_pooling_config
-from pagedllm.model.tokenizer import template_handles_tools
+from pagedllm.model.tokenizer import render_chat
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
@@ -454,18 +454,5 @@ class LLMEngine:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text of a conversation; ``tools`` (OpenAI tool objects) need a template that
-        renders them (ValueError otherwise: the model would never see them)."""
-        if tools and not template_handles_tools(getattr(self.tokenizer, "chat_template", None)):
-            raise ValueError(
-                "tools: the chat template does not render tools; load the model with chat_template= a "
-                "template that does (for SmolLM2: examples/chat_templates/smollm2_hermes_tools.jinja)."
-            )
-        return str(
-            self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                tools=list[Any](tools) if tools else None,
-            )
-        )
+        """The prompt text of a conversation (see :func:`~pagedllm.model.tokenizer.render_chat`)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)

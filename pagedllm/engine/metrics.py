@@ -10,6 +10,7 @@ observed by the async engine from its own timestamps.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from prometheus_client import (
@@ -19,6 +20,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 from pagedllm.engine.stats import EngineStats
@@ -41,6 +43,8 @@ _REQUEST_BUCKETS = (
 )  # fmt: skip
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Where front-end processes write their metrics for each other (set before prometheus_client loads).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class EngineMetrics:
@@ -52,27 +56,58 @@ class EngineMetrics:
         labels = ["model_name"]
         reg = self.registry
 
-        self.num_requests_running = Gauge(
-            PREFIX + "num_requests_running", "Number of requests in the running batch.", labels, registry=reg
-        ).labels(model_name)
-        self.num_requests_waiting = Gauge(
+        # Engine state, one series per engine core (label ``engine``: its data-parallel rank).
+        per_engine = labels + ["engine"]
+        # Several front-end processes (--api-server-count) share their metrics through
+        # prometheus_client's multi-process files; only front-end 0 sets the engine gauges.
+        self._num_requests_running = Gauge(
+            PREFIX + "num_requests_running",
+            "Number of requests in the running batch.",
+            per_engine,
+            registry=reg,
+            multiprocess_mode="mostrecent",
+        )
+        self._num_requests_waiting = Gauge(
             PREFIX + "num_requests_waiting",
             "Number of requests waiting to be scheduled.",
-            labels,
+            per_engine,
             registry=reg,
-        ).labels(model_name)
-        self.kv_cache_usage_perc = Gauge(
+            multiprocess_mode="mostrecent",
+        )
+        self._kv_cache_usage_perc = Gauge(
             PREFIX + "kv_cache_usage_perc",
             "Fraction of KV-cache blocks held by requests (1 = full).",
+            per_engine,
+            registry=reg,
+            multiprocess_mode="mostrecent",
+        )
+        self._prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prefill tokens computed.", per_engine, registry=reg
+        )
+        self._generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", per_engine, registry=reg
+        )
+        self._num_preemptions = Counter(
+            PREFIX + "num_preemptions",
+            "Requests preempted to free KV-cache blocks.",
+            per_engine,
+            registry=reg,
+        )
+        self._prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            per_engine,
+            registry=reg,
+        )
+        self._prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", per_engine, registry=reg
+        )
+        self._num_engines_alive = Gauge(
+            PREFIX + "num_engines_alive",
+            "Engine cores serving (data parallel: up to its size).",
             labels,
             registry=reg,
-        ).labels(model_name)
-
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prefill tokens computed.", labels, registry=reg
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg
+            multiprocess_mode="mostrecent",
         ).labels(model_name)
         self._request_success = Counter(
             PREFIX + "request_success",
@@ -82,18 +117,6 @@ class EngineMetrics:
         )
         for reason in ("stop", "length"):
             self._request_success.labels(model_name, reason)
-        self.num_preemptions = Counter(
-            PREFIX + "num_preemptions", "Requests preempted to free KV-cache blocks.", labels, registry=reg
-        ).labels(model_name)
-        self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=reg
-        ).labels(model_name)
 
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
@@ -124,31 +147,58 @@ class EngineMetrics:
             registry=reg,
         ).labels(model_name)
 
-        self._last_stats = EngineStats()
+        self._last_stats: dict[str, EngineStats] = {}
+        self.register_engines(["0"])
 
-    def record_stats(self, stats: EngineStats) -> None:
-        """Set the gauges and advance the counters by the change since the previous snapshot."""
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        last = self._last_stats
+    def register_engines(self, engines: list[str]) -> None:
+        """Create the series of these engine cores (at zero), so that they exist before any change."""
+        name = self.model_name
+        for engine in engines:
+            for family in (
+                self._num_requests_running,
+                self._num_requests_waiting,
+                self._kv_cache_usage_perc,
+                self._prompt_tokens,
+                self._generation_tokens,
+                self._num_preemptions,
+                self._prefix_cache_queries,
+                self._prefix_cache_hits,
+            ):
+                family.labels(name, engine)
+
+    def record_stats(self, stats: EngineStats, engine: str = "0") -> None:
+        """Set an engine core's gauges and advance its counters by the change since its previous
+        snapshot."""
+        name = self.model_name
+        self._num_requests_running.labels(name, engine).set(stats.num_running)
+        self._num_requests_waiting.labels(name, engine).set(stats.num_waiting)
+        self._kv_cache_usage_perc.labels(name, engine).set(stats.kv_cache_usage)
+        last = self._last_stats.get(engine) or EngineStats()
         for counter, new, old in (
-            (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
-            (self.generation_tokens, stats.generation_tokens, last.generation_tokens),
-            (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
-            (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
-            (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (self._prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
+            (self._generation_tokens, stats.generation_tokens, last.generation_tokens),
+            (self._num_preemptions, stats.num_preemptions, last.num_preemptions),
+            (self._prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+            (self._prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
         ):
             if new > old:
-                counter.inc(new - old)
-        self._last_stats = stats
+                counter.labels(name, engine).inc(new - old)
+        self._last_stats[engine] = stats
+
+    def set_engines_alive(self, n: int) -> None:
+        self._num_engines_alive.set(n)
 
     def record_finished(self, finish_reason: str | None) -> None:
         """Count one finished completion (one of a request's ``n``)."""
         self._request_success.labels(self.model_name, finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
+        """The Prometheus text exposition of every metric (of every front-end process when they
+        share multi-process files: ``PROMETHEUS_MULTIPROC_DIR``)."""
+        if os.environ.get(MULTIPROC_ENV):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

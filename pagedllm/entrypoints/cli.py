@@ -11,7 +11,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("pagedllm.entrypoints.openai.api_server", "Start the OpenAI-compatible HTTP server."),
+    "serve": ("pagedllm.entrypoints.openai.launcher", "Start the OpenAI-compatible HTTP server."),
     "generate": ("pagedllm.entrypoints.generate_cli", "Generate a completion and stream it to stdout."),
     "bench": ("pagedllm.bench.cli", "Benchmarks: throughput, latency, perplexity, serve, step, roofline."),
     "run-batch": ("pagedllm.entrypoints.run_batch", "Answer a file of OpenAI Batch requests offline."),

@@ -6,7 +6,7 @@ import copy
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -25,12 +25,40 @@ class LLM:
     """Offline batched generation on top of :class:`LLMEngine`.
 
     ``model`` None loads the default model (SmolLM2-135M-Instruct). Keyword arguments are engine
-    arguments (see :class:`pagedllm.config.EngineConfig`).
+    arguments (see :class:`pagedllm.config.EngineConfig`). With ``multiprocess=True`` the model runs
+    in engine-core processes (``data_parallel_size`` of them, requests routed by cached prefix, or in
+    turn with ``data_parallel_routing="round_robin"``) and
+    this process only tokenizes, sends and collects; outputs are the same. Their processes stop with
+    :meth:`shutdown`, when the ``LLM`` is garbage collected, or at exit.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        multiprocess: bool = False,
+        data_parallel_size: int = 1,
+        data_parallel_routing: str = "prefix",
+        **engine_args: Any,
+    ) -> None:
+        config = EngineConfig(model=model, **engine_args)
+        self.llm_engine: LLMEngine
+        if multiprocess:
+            from pagedllm.engine.mp_llm_engine import MPLLMEngine
+
+            # It offers the part of LLMEngine's interface that LLM and beam search use.
+            self.llm_engine = cast(LLMEngine, MPLLMEngine(config, data_parallel_size, data_parallel_routing))
+        elif data_parallel_size != 1:
+            raise ValueError("data_parallel_size: more than one engine core needs multiprocess=True.")
+        else:
+            self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine-core processes (``multiprocess=True``; nothing to do otherwise)."""
+        stop = getattr(self.llm_engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

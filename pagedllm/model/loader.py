@@ -101,6 +101,13 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
     raise ValueError(f"Model directory {model!r} has neither a config.json nor a .gguf file.")
 
 
+def load_model_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer :func:`load_checkpoint` would load, without the weights (for a front-end that
+    tokenizes for an engine running elsewhere)."""
+    _, path = resolve_model_path(model)
+    return load_tokenizer(tokenizer if tokenizer is not None else path)
+
+
 def load_checkpoint(
     model: str | None, tokenizer: str | None = None, keep_quantized: bool = False
 ) -> LoadedCheckpoint:

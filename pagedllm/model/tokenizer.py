@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -158,3 +159,26 @@ def with_chat_template(
 def template_handles_tools(template: str | None) -> bool:
     """Whether a chat template reads the ``tools`` variable (renders the declared tools)."""
     return template is not None and re.search(r"\btools\b", template) is not None
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt text of a conversation; ``tools`` (OpenAI tool objects) need a template that
+    renders them (ValueError otherwise: the model would never see them)."""
+    if tools and not template_handles_tools(getattr(tokenizer, "chat_template", None)):
+        raise ValueError(
+            "tools: the chat template does not render tools; load the model with chat_template= a "
+            "template that does (for SmolLM2: examples/chat_templates/smollm2_hermes_tools.jinja)."
+        )
+    return str(
+        tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=list[Any](tools) if tools else None,
+        )
+    )

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server (``pagedllm serve``).
+"""The OpenAI-compatible HTTP app and its server loop (``pagedllm serve``; the processes around it
+are :mod:`pagedllm.entrypoints.openai.launcher`'s).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``, ``/health``,
 ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, ``/v1/responses`` (a view over chat
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -42,9 +44,6 @@ from pagedllm.entrypoints.openai.cli_args import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerSettings,
     add_cli_args,
-    check_args,
-    configure_logging,
-    engine_config_from_args,
     settings_from_args,
 )
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -91,7 +90,7 @@ __all__ = [
     "ServerState",
     "add_cli_args",
     "build_app",
-    "run",
+    "serve_engine",
 ]
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
@@ -378,37 +377,25 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load the model, serve until SIGTERM/SIGINT, and return the exit status."""
-    configure_logging(args.log_level)
-    problem = check_args(args)
-    if problem is not None:
-        logger.error(problem)
-        return 2
-    config = engine_config_from_args(args)
-    if config is None:
-        return 2
-
-    from pagedllm.engine.llm_engine import LLMEngine
-
-    try:
-        llm_engine = LLMEngine.from_config(config)
-    except (ValueError, OSError) as exc:
-        logger.error("Could not start the engine: %s", exc)
-        return 1
-    served_name = config.served_model_name or str(llm_engine.model_name)
-    metrics = EngineMetrics(served_name)
+def serve_engine(
+    args: argparse.Namespace,
+    engine: AsyncLLMEngine,
+    served_name: str,
+    max_logprobs: int,
+    metrics: EngineMetrics,
+    sock: socket.socket | None = None,
+) -> int:
+    """Serve ``engine`` over HTTP (on ``sock`` when given, else on ``--host``/``--port``) until
+    SIGTERM/SIGINT or the engine's death; returns the exit status (1 when the engine failed)."""
     server: GracefulServer | None = None
 
     def engine_died(exc: BaseException) -> None:
-        # From the engine thread: let the failed requests' responses go out, then exit non-zero.
+        # From the engine's thread: let the failed requests' responses go out, then exit non-zero.
         if server is not None:
             server.stop_after_engine_death(exc)
 
-    engine = AsyncLLMEngine(
-        llm_engine, max_queued_requests=args.max_queued_requests, metrics=metrics, on_death=engine_died
-    )
-    settings = settings_from_args(args, served_name, config.max_logprobs)
+    engine.on_death = engine_died
+    settings = settings_from_args(args, served_name, max_logprobs)
     state = ServerState()
     app = build_app(engine, settings, metrics, state)
     uv_config = uvicorn.Config(
@@ -423,11 +410,11 @@ def run(args: argparse.Namespace) -> int:
     logger.info(
         "Serving %s (max_model_len %d) on http://%s:%d",
         served_name,
-        llm_engine.max_model_len,
+        int(engine.engine.max_model_len),
         args.host,
         args.port,
     )
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     engine.shutdown()
     if engine.failure is not None:
         logger.error("Server stopped because the engine failed: %r", engine.failure)

@@ -162,6 +162,70 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Return the model's <think> reasoning as reasoning_content, apart from the content.",
     )
     parser.add_argument(
+        "--multiprocess",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run the engine in core processes of its own (default); --no-multiprocess steps it on a "
+        "thread of the server process.",
+    )
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP front-end processes sharing the port, all talking to every engine core (default 1).",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="Engine cores in all, each with its own KV cache; requests go to the core that caches the "
+        "longest prefix of their prompt, else to the least loaded (default 1).",
+    )
+    parser.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="Engine cores this machine runs (default: all of them; fewer when others join with --headless).",
+    )
+    parser.add_argument(
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="Rank of this machine's first engine core (--headless machines; default 0).",
+    )
+    parser.add_argument(
+        "--data-parallel-address",
+        default=None,
+        help="Address the front-ends listen on for engine cores, and --headless cores connect to "
+        "(default 127.0.0.1).",
+    )
+    parser.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=None,
+        help="First port of the front-ends' sockets for engine cores (front-end i uses this + i; "
+        "default: free ports).",
+    )
+    parser.add_argument(
+        "--data-parallel-routing",
+        default="prefix",
+        choices=["prefix", "round_robin"],
+        help="How the front-end picks a core: the longest cached prefix, else the least loaded "
+        "(prefix, default), or in turn (round_robin).",
+    )
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="Run only engine cores (ranks --data-parallel-start-rank ...) that join the front-end at "
+        "--data-parallel-address:--data-parallel-rpc-port; no HTTP server.",
+    )
+    parser.add_argument(
+        "--engine-start-timeout",
+        type=float,
+        default=900.0,
+        help="Seconds to wait for every engine core to load and join (default 900).",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -182,6 +246,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         return (
             "--enable-auto-tool-choice needs --tool-call-parser NAME (the format the model writes calls in)."
         )
+    problem = check_parallel_args(args)
+    if problem is not None:
+        return problem
     if not args.chat_template_timeout > 0:
         return f"--chat-template-timeout must be positive, got {args.chat_template_timeout}."
     for name in (
@@ -196,6 +263,42 @@ def check_args(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be positive, got {value}."
+    return None
+
+
+def check_parallel_args(args: argparse.Namespace) -> str | None:
+    """The first problem with the process and data-parallel flags, or None."""
+    size = args.data_parallel_size
+    if size < 1:
+        return f"--data-parallel-size must be at least 1, got {size}."
+    if args.api_server_count < 1:
+        return f"--api-server-count must be at least 1, got {args.api_server_count}."
+    local = args.data_parallel_size_local
+    if local is None:
+        local = args.data_parallel_size_local = 0 if args.headless else size
+    if local < 0 or (args.headless and local < 1):
+        return f"--data-parallel-size-local must be at least {1 if args.headless else 0}, got {local}."
+    start = args.data_parallel_start_rank
+    if start < 0 or start + local > size:
+        return (
+            f"--data-parallel-start-rank {start} with --data-parallel-size-local {local} goes beyond "
+            f"--data-parallel-size {size} (ranks 0..{size - 1})."
+        )
+    if not args.headless and start != 0:
+        return "--data-parallel-start-rank applies to --headless machines (the front-end's cores start at 0)."
+    remote = args.headless or local < size
+    if remote and (args.data_parallel_address is None or args.data_parallel_rpc_port is None):
+        return (
+            "--data-parallel-address and --data-parallel-rpc-port are needed when engine cores run on "
+            "another machine (--headless, or --data-parallel-size-local below --data-parallel-size)."
+        )
+    port = args.data_parallel_rpc_port
+    if port is not None and not 1 <= port <= 65535 - args.api_server_count:
+        return f"--data-parallel-rpc-port must be in [1, {65535 - args.api_server_count}], got {port}."
+    if not args.multiprocess and (size > 1 or args.api_server_count > 1 or args.headless):
+        return "--no-multiprocess runs one engine on a thread: it cannot be combined with data parallel, --headless or --api-server-count."
+    if not args.engine_start_timeout > 0:
+        return f"--engine-start-timeout must be positive, got {args.engine_start_timeout}."
     return None
 
 

@@ -1,0 +1,194 @@
+"""The asyncio front end over engine cores in other processes (the server's default).
+
+:class:`AsyncMPEngine` offers what :class:`~pagedllm.engine.async_engine.AsyncLLMEngine` offers
+(``add_request``, ``encode``, ``beam_search``, ``abort``, ``abort_all``, stats and liveness) with the
+same per-request streams; instead of an engine thread, a :class:`~pagedllm.engine.core_client.CoreClient`
+routes each request to a core and its I/O thread delivers the accepted, rejected and output events.
+``engine`` is a :class:`RemoteEngine`: what the HTTP layer reads of the engine (its tokenizer, loaded
+here, and the facts the cores reported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import AsyncLLMEngine, _Abort, _Add, _Command
+from pagedllm.engine.core_client import CoreClient
+from pagedllm.engine.core_protocol import EngineInfo
+from pagedllm.engine.errors import EngineDeadError
+from pagedllm.engine.input_processor import tokenize_prompt
+from pagedllm.engine.metrics import EngineMetrics
+from pagedllm.engine.stats import EngineStats
+from pagedllm.model.pooling import PoolingConfig
+from pagedllm.model.tokenizer import render_chat
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+
+
+class RemoteEngine:
+    """The engine as a front-end sees it: its own tokenizer (with the configured chat template) and
+    what the cores reported at start-up."""
+
+    def __init__(self, info: EngineInfo, tokenizer: Any, config: EngineConfig) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = info.model_name
+        self.task = info.task
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = list(info.eos_token_ids)
+        self.default_sampling: dict[str, float | int] = dict(info.default_sampling)
+        self.pooling_config = PoolingConfig(*info.pooling) if info.pooling is not None else None
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
+
+
+class AsyncMPEngine(AsyncLLMEngine):
+    """Async requests served by engine-core processes through ``client`` (which this engine starts,
+    listens to and closes). ``on_death`` is called once every core has died."""
+
+    def __init__(
+        self,
+        client: CoreClient,
+        engine: RemoteEngine,
+        *,
+        metrics: EngineMetrics | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
+        records_engine_stats: bool = True,
+    ) -> None:
+        super().__init__(engine, metrics=metrics, log_stats_interval=None, on_death=on_death)  # type: ignore[arg-type]
+        self.client = client
+        client.listener = self
+        self.remote = engine
+        # Called after the client closed (the owner stops the core processes it started).
+        self.on_stop = on_stop
+        self._core_stats: dict[int, EngineStats] = {}
+        self._shut_down = False
+        # With several front-ends sharing metrics files, front-end 0 alone sets the engines' series.
+        if not records_engine_stats:
+            metrics = None
+        self.engine_metrics = metrics
+        if metrics is not None:
+            metrics.register_engines([str(rank) for rank in client.ranks])
+            metrics.set_engines_alive(len(client.cores))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self.client.start()
+        self._started = True
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Tell the cores to stop and close the client; requests in flight fail with EngineDeadError."""
+        if not self._started or self._shut_down:
+            return
+        self._shut_down = True
+        self.client.close(timeout)
+        self._fail_everything(None)
+        if self.on_stop is not None:
+            self.on_stop()
+            self.on_stop = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._started and self._dead is None and self.client.num_alive > 0
+
+    def dead_message(self) -> str:
+        if self._dead is None and self._started:
+            return "The engine is not running."
+        return self.client.dead_message() if self.client.dead_reason else super().dead_message()
+
+    # ------------------------------------------------------------------ caller side
+
+    def _send(self, command: _Command) -> None:
+        if isinstance(command, _Abort):
+            self.client.abort(command.request_ids)
+            return
+        if not isinstance(command, _Add):
+            return
+        stream = command.stream
+        try:
+            text, ids = self.remote.tokenize(command.prompt)
+        except ValueError as exc:
+            del self._streams[stream.request_id]  # the caller holds _lock
+            stream.fail(exc)
+            return
+        self.client.add(stream.request_id, text, ids, command.params)
+
+    # ------------------------------------------------------------------ the client's listener
+
+    def accepted(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.accept()
+
+    def rejected(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(exc)
+
+    def outputs(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
+        self._dispatch(outputs)
+
+    def failed(self, request_ids: list[str], exc: BaseException) -> None:
+        with self._lock:
+            streams = [s for rid in request_ids if (s := self._streams.pop(rid, None)) is not None]
+        for stream in streams:
+            stream.fail(exc)
+        if self.engine_metrics is not None:
+            self.engine_metrics.set_engines_alive(self.client.num_alive)
+
+    def all_dead(self, exc: BaseException) -> None:
+        self.failure = exc
+        self._fail_everything(exc)
+        if self.engine_metrics is not None:
+            self.engine_metrics.set_engines_alive(0)
+        if self.on_death is not None:
+            self.on_death(exc)
+
+    def stats_reported(self, rank: int, stats: EngineStats, token_intervals: list[float]) -> None:
+        self._core_stats[rank] = stats
+        if self.engine_metrics is not None:
+            self.engine_metrics.record_stats(stats, engine=str(rank))
+            observe = self.engine_metrics.inter_token_latency.observe
+            for interval in token_intervals:
+                observe(interval)
+        self._latest_stats = _total(self._core_stats.values())
+
+
+def _total(stats: Any) -> EngineStats:
+    """The sum of the cores' statistics (KV usage: over all their blocks)."""
+    out = EngineStats()
+    used = 0.0
+    for s in stats:
+        out.num_running += s.num_running
+        out.num_waiting += s.num_waiting
+        out.num_kv_blocks += s.num_kv_blocks
+        out.num_free_blocks += s.num_free_blocks
+        out.num_preemptions += s.num_preemptions
+        out.prefix_cache_queries += s.prefix_cache_queries
+        out.prefix_cache_hits += s.prefix_cache_hits
+        out.prompt_tokens += s.prompt_tokens
+        out.generation_tokens += s.generation_tokens
+        used += s.kv_cache_usage * s.num_kv_blocks
+    out.kv_cache_usage = used / out.num_kv_blocks if out.num_kv_blocks else 0.0
+    return out
+
+
+__all__ = ["AsyncMPEngine", "EngineDeadError", "RemoteEngine"]

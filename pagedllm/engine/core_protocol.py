@@ -1,0 +1,182 @@
+"""The messages between front-ends and engine-core processes, and their encoding.
+
+Every message is a :mod:`msgspec` struct encoded as a msgpack array (field names are not sent) with
+a type tag, so a front-end and a core decode exactly the types below and nothing else (no pickle).
+Sampling and pooling parameters travel as the library's own dataclasses.
+
+Front-end → core: :class:`AddRequest`, :class:`AbortRequests`, :class:`Welcome` (the reply to a
+core's :class:`Hello`), :class:`Ping` (liveness), :class:`ResetPrefixCache` and :class:`Shutdown`.
+Core → front-end: :class:`Hello` (ready, with :class:`EngineInfo`), :class:`StartFailed`,
+:class:`CoreOutputs` (one per loop iteration that has something to say, and a heartbeat at least
+every few hundred milliseconds) and :class:`CoreDead`.
+
+Outputs are deltas: a :class:`RequestDelta` carries only what a request gained since the previous
+delta (new text, token ids, logprobs), and the front-end keeps the cumulative state.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagedllm.engine.stats import EngineStats
+from pagedllm.outputs import Logprob
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import SamplingParams
+
+
+class EngineInfo(msgspec.Struct, array_like=True):
+    """What a front-end needs to know about the engine a core runs (same for every core)."""
+
+    model_name: str
+    task: str  # "generate" or "embed"
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    default_sampling: dict[str, float | int]  # the model's generation-config defaults
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_logprobs: int
+    enable_prefix_caching: bool
+    # Pooling of an embed engine: (type, normalize, hidden size, matryoshka sizes or None).
+    pooling: tuple[str, bool, int, tuple[int, ...] | None] | None = None
+
+
+# -- front-end -> core ------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams | None = None  # a generate request
+    pooling: PoolingParams | None = None  # an embed request
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Welcome(msgspec.Struct, tag="welcome", array_like=True):
+    """Front-end 0's reply to a core's Hello: the addresses of every front-end, in index order."""
+
+    frontend_addresses: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget every cached block (applied in order with the requests; refused by a core that is busy)."""
+
+
+ToCore = AddRequest | AbortRequests | Welcome | Ping | Shutdown | ResetPrefixCache
+
+
+# -- core -> front-end ------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    rank: int
+    info: EngineInfo
+
+
+class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
+    rank: int
+    reason: str
+
+
+class Rejection(msgspec.Struct, array_like=True):
+    request_id: str
+    queue_full: bool  # True: the waiting queue is full (503); False: invalid request (400)
+    message: str
+
+
+class CompletionDelta(msgspec.Struct, array_like=True):
+    """What one of a request's ``n`` sequences gained."""
+
+    index: int
+    text: str  # new visible text
+    token_ids: list[int]  # new token ids
+    logprobs: list[dict[int, Logprob]] | None  # new top logprobs (None: not asked for)
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    finished: bool
+    num_cached_tokens: int
+    completions: list[CompletionDelta]
+    # Sent once, with the first delta that has them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # (arrival, first scheduled, first token, last token, finished) on the core's clock.
+    times: tuple[float | None, float | None, float | None, float | None, float | None] | None = None
+
+
+class EmbeddingResult(msgspec.Struct, array_like=True):
+    request_id: str
+    embedding: list[float]
+    times: tuple[float | None, float | None, float | None, float | None, float | None] | None = None
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Everything one core loop iteration has for one front-end (or a heartbeat)."""
+
+    rank: int
+    core_time: float  # the core's time.monotonic() when sent (to map its timestamps)
+    accepted: list[str] = []
+    rejected: list[Rejection] = []
+    deltas: list[RequestDelta] = []
+    embeddings: list[EmbeddingResult] = []
+    stats: EngineStats | None = None
+    token_intervals: list[float] = []  # seconds between successive tokens (for the latency histogram)
+    cached_blocks: list[int] = []  # prefix-cache block hashes registered since the previous report
+    evicted_blocks: list[int] = []  # and those dropped
+
+
+class CoreDead(msgspec.Struct, tag="dead", array_like=True):
+    rank: int
+    reason: str
+
+
+FromCore = Hello | StartFailed | CoreOutputs | CoreDead
+
+
+class Codec:
+    """Encoder and decoders of both directions (one per thread: msgspec encoders keep a buffer)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.to_core = msgspec.msgpack.Decoder(ToCore)
+        self.from_core = msgspec.msgpack.Decoder(FromCore)
+
+    def encode(self, message: ToCore | FromCore) -> bytes:
+        return self.encoder.encode(message)
+
+
+__all__ = [
+    "AbortRequests",
+    "AddRequest",
+    "Codec",
+    "CompletionDelta",
+    "CoreDead",
+    "CoreOutputs",
+    "EmbeddingResult",
+    "EngineInfo",
+    "FromCore",
+    "Hello",
+    "Ping",
+    "RequestDelta",
+    "Rejection",
+    "ResetPrefixCache",
+    "Shutdown",
+    "StartFailed",
+    "ToCore",
+    "Welcome",
+]
