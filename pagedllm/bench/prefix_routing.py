@@ -19,12 +19,13 @@ call). The order is shuffled rather than strictly cyclic (g0, g1, ..., g7, g0, .
 and an even number of groups, a cyclic order would deal every request of a group to the same core
 under round-robin, giving it perfect group affinity by accident.
 
-Why routing matters here: the KV cache of each core is kept small (``--num-kv-blocks``, default 192
-blocks of 16 tokens, with ``--max-num-seqs`` 16). The default 8 system prompts of 512 tokens take
+Why routing matters here: the KV cache of each core is kept small (``--num-kv-blocks``, default 160
+blocks of 16 tokens, with ``--max-num-seqs`` 8). The default 8 system prompts of 512 tokens take
 8 x 32 = 256 blocks, so one core cannot keep every group's prefix: a group's blocks are evicted by
 the others' before its next request comes, and the prefix is computed again. Two cores with prefix
-routing hold 4 groups each (128 blocks), which fits. Round-robin makes each core see all 8 groups,
-so each core is in the one-core situation again, with half the requests. The gain of prefix routing
+routing hold 4 groups each (128 blocks, plus 3 blocks of its own for each of the 8 running
+requests: 152), which fits. Round-robin makes each core see all 8 groups, so each core is in the
+one-core situation again, with half the requests. The gain of prefix routing
 is therefore effective cache capacity, i.e. prompt tokens not computed again. The goals: prefix
 routing's hit rate at least 0.90 of one core's and at least 1.5 times round-robin's. With the default
 sizes the best any routing can do is 15 of every group's 16 requests finding their whole system
@@ -517,7 +518,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Also run one core with twice --num-kv-blocks, for context (default on).",
     )
     add_run_args(parser, warmup=True)
-    parser.set_defaults(num_kv_blocks=192, max_num_seqs=16, max_model_len=1024)
+    parser.set_defaults(num_kv_blocks=160, max_num_seqs=8, max_model_len=1024)
 
 
 def run(args: argparse.Namespace) -> int:

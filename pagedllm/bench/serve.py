@@ -18,7 +18,9 @@ The client is :mod:`pagedllm.bench.serve_client`, the metrics and the printed re
 ``--compare-offline`` then runs the same requests through ``LLM.generate`` in this process, with the
 engine arguments given here (they should match the server's; ``max_num_seqs`` is capped at
 ``--max-concurrency`` so both batch alike), and reports the server's throughput as a percentage of
-the offline one.
+the offline one. ``--pairs N`` repeats the pair of runs N times, each pair on a workload of its own
+(seeds ``seed``, ``seed + 1``, ...; so neither side finds the previous pair's prompts cached), and
+reports the median share; the latency report is the first pair's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import logging
 import math
 import time
@@ -49,10 +50,8 @@ from pagedllm.config import EngineConfig
 logger = logging.getLogger("pagedllm.bench")
 
 
-def run_offline(
-    config: EngineConfig, workload: Workload, temperature: float, ignore_eos: bool
-) -> dict[str, Any]:
-    """The same requests through ``LLM.generate`` in this process; throughput of that run."""
+def load_offline(config: EngineConfig) -> Any:
+    """The offline engine of the comparison (``LLM`` in this process), warmed up."""
     from pagedllm import LLM, SamplingParams
 
     engine_args = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
@@ -60,6 +59,13 @@ def run_offline(
     llm.generate(
         [[11, 12, 13, 14, 15, 16, 17, 18]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False
     )
+    return llm
+
+
+def run_offline(llm: Any, workload: Workload, temperature: float, ignore_eos: bool) -> dict[str, Any]:
+    """The same requests through ``llm.generate`` (an empty prefix cache first); throughput of that run."""
+    from pagedllm import SamplingParams
+
     llm.llm_engine.reset_prefix_cache()
     prompts: list[str | list[int]] = [r.prompt_token_ids for r in workload.requests]
     params = [
@@ -71,11 +77,9 @@ def run_offline(
     elapsed = time.perf_counter() - start
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
-    del llm
-    gc.collect()
     return {
         "elapsed_s": elapsed,
-        "max_num_seqs": config.max_num_seqs,
+        "max_num_seqs": llm.llm_engine.config.max_num_seqs,
         "total_input_tokens": n_in,
         "total_output_tokens": n_out,
         "request_throughput": len(outputs) / elapsed,
@@ -154,6 +158,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Afterwards, run the same requests through LLM.generate here and compare throughput.",
     )
     group.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="Server run then offline run, this many times, each pair on a workload of its own (seed, "
+        "seed + 1, ...): on a machine whose speed drifts, the median of the pairs' shares is steadier "
+        "than one share (default 1).",
+    )
+    group.add_argument(
         "--num-threads", type=int, default=None, help="torch threads of the offline run (default: torch's)."
     )
     engine_group = parser.add_argument_group("engine (the workload's tokenizer; the offline comparison)")
@@ -169,6 +181,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}.")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be non-negative, got {args.temperature}.")
+    if args.pairs < 1:
+        raise ValueError(f"--pairs must be at least 1, got {args.pairs}.")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -197,41 +211,71 @@ def run(args: argparse.Namespace) -> int:
         f"{workload.num_output_tokens} output tokens; rate {args.request_rate} req/s, "
         f"max concurrency {args.max_concurrency or 'unlimited'}"
     )
-    try:
-        results, duration, model_name = asyncio.run(
-            run_benchmark(
-                args.base_url,
-                workload.requests,
-                model=args.model_name or config.served_model_name,
-                api_key=args.api_key,
-                request_rate=args.request_rate,
-                burstiness=args.burstiness,
-                max_concurrency=args.max_concurrency,
-                temperature=args.temperature,
-                ignore_eos=args.ignore_eos,
-                seed=args.seed,
-                timeout_s=args.timeout,
-                warmup=args.warmup,
-            )
-        )
-    except Exception as exc:  # noqa: BLE001 - e.g. the server is not reachable
-        logger.error("Benchmark against %s failed: %s", args.base_url, exc)
-        return 1
-    metrics = summarize(results, duration, slo)
-    bin_s = max(0.25, round(duration / 60, 2))
-    timeline = token_timeline(results, duration, bin_s)
-
-    offline: dict[str, Any] | None = None
+    offline_llm: Any = None
     if args.compare_offline:
         offline_config = config
         if args.max_concurrency is not None and args.max_concurrency < config.max_num_seqs:
             offline_config = dataclasses.replace(config, max_num_seqs=args.max_concurrency)
-        offline = run_offline(offline_config, workload, args.temperature, args.ignore_eos)
-        offline["server_output_throughput_pct"] = percent_of(
-            metrics["output_throughput"], offline["output_throughput"]
+        offline_llm = load_offline(offline_config)
+    pairs: list[dict[str, Any]] = []
+    first: tuple[list[Any], float, str, dict[str, Any], Workload] | None = None
+    for pair in range(args.pairs if args.compare_offline else 1):
+        pair_workload = (
+            workload
+            if pair == 0
+            else _workload(argparse.Namespace(**{**vars(args), "seed": args.seed + pair}))
         )
-        offline["server_total_token_throughput_pct"] = percent_of(
-            metrics["total_token_throughput"], offline["total_token_throughput"]
+        try:
+            results, duration, model_name = asyncio.run(
+                run_benchmark(
+                    args.base_url,
+                    pair_workload.requests,
+                    model=args.model_name or config.served_model_name,
+                    api_key=args.api_key,
+                    request_rate=args.request_rate,
+                    burstiness=args.burstiness,
+                    max_concurrency=args.max_concurrency,
+                    temperature=args.temperature,
+                    ignore_eos=args.ignore_eos,
+                    seed=args.seed + pair,
+                    timeout_s=args.timeout,
+                    warmup=args.warmup and pair == 0,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. the server is not reachable
+            logger.error("Benchmark against %s failed: %s", args.base_url, exc)
+            return 1
+        pair_metrics = summarize(results, duration, slo)
+        if first is None:
+            first = (results, duration, model_name, pair_metrics, pair_workload)
+        if offline_llm is not None:
+            off = run_offline(offline_llm, pair_workload, args.temperature, args.ignore_eos)
+            off["server_output_throughput"] = pair_metrics["output_throughput"]
+            off["server_output_throughput_pct"] = percent_of(
+                pair_metrics["output_throughput"], off["output_throughput"]
+            )
+            off["server_total_token_throughput_pct"] = percent_of(
+                pair_metrics["total_token_throughput"], off["total_token_throughput"]
+            )
+            pairs.append(off)
+            if args.pairs > 1:
+                print(
+                    f"pair {pair}: server {pair_metrics['output_throughput']:.1f}, offline "
+                    f"{off['output_throughput']:.1f} output tok/s: {off['server_output_throughput_pct']:.1f}%"
+                )
+    assert first is not None
+    results, duration, model_name, metrics, workload = first
+    bin_s = max(0.25, round(duration / 60, 2))
+    timeline = token_timeline(results, duration, bin_s)
+    offline: dict[str, Any] | None = None
+    if pairs:
+        offline = dict(pairs[0])
+        shares = sorted(p["server_output_throughput_pct"] for p in pairs)
+        offline["pairs"] = pairs
+        offline["median_server_output_throughput_pct"] = (
+            shares[len(shares) // 2]
+            if len(shares) % 2
+            else ((shares[len(shares) // 2 - 1] + shares[len(shares) // 2]) / 2)
         )
 
     plots: list[str] = []

@@ -225,5 +225,9 @@ def print_report(metrics: dict[str, Any], offline: dict[str, Any] | None, plots:
             f"{offline['output_throughput']:.1f} output tok/s; the server reaches "
             + (f"{pct:.1f}% of it" if pct is not None else "an unknown fraction of it")
         )
+        median = offline.get("median_server_output_throughput_pct")
+        if median is not None and len(offline.get("pairs", [])) > 1:
+            shares = ", ".join(f"{p['server_output_throughput_pct']:.1f}%" for p in offline["pairs"])
+            print(f"Median over {len(offline['pairs'])} pairs: {median:.1f}% ({shares})")
     for path in plots:
         print(f"Plot: {path}")

@@ -67,8 +67,16 @@ class AsyncMPEngine(AsyncLLMEngine):
         on_death: Callable[[BaseException], None] | None = None,
         on_stop: Callable[[], None] | None = None,
         records_engine_stats: bool = True,
+        max_queued_requests: int | None = None,
     ) -> None:
-        super().__init__(engine, metrics=metrics, log_stats_interval=None, on_death=on_death)  # type: ignore[arg-type]
+        # max_queued_requests is enforced by each core; known here for the front-end's own checks.
+        super().__init__(
+            engine,  # type: ignore[arg-type]
+            metrics=metrics,
+            log_stats_interval=None,
+            on_death=on_death,
+            max_queued_requests=max_queued_requests,
+        )
         self.client = client
         client.listener = self
         self.remote = engine
@@ -151,7 +159,13 @@ class AsyncMPEngine(AsyncLLMEngine):
             streams = [s for rid in request_ids if (s := self._streams.pop(rid, None)) is not None]
         for stream in streams:
             stream.fail(exc)
+
+    def core_lost(self, rank: int) -> None:
+        """A dead core holds nothing: its series read idle, the totals leave it out."""
+        self._core_stats.pop(rank, None)
+        self._latest_stats = _total(self._core_stats.values())
         if self.engine_metrics is not None:
+            self.engine_metrics.clear_engine(str(rank))
             self.engine_metrics.set_engines_alive(self.client.num_alive)
 
     def all_dead(self, exc: BaseException) -> None:

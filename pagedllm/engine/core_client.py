@@ -77,6 +77,8 @@ class ClientListener(Protocol):
 
     def failed(self, request_ids: list[str], exc: BaseException) -> None: ...
 
+    def core_lost(self, rank: int) -> None: ...  # a core died (after ``failed`` for its requests)
+
     def all_dead(self, exc: BaseException) -> None: ...
 
     def stats_reported(self, rank: int, stats: EngineStats, token_intervals: list[float]) -> None: ...
@@ -505,6 +507,7 @@ class CoreClient:
             self.router.forget(rank)
         if ids:
             self.listener.failed(ids, EngineDeadError(message))
+        self.listener.core_lost(rank)
         if not any(c.alive for c in self.cores.values()):
             self._all_dead(message)
 

@@ -185,6 +185,12 @@ class EngineMetrics:
                 counter.labels(name, engine).inc(new - old)
         self._last_stats[engine] = stats
 
+    def clear_engine(self, engine: str) -> None:
+        """An engine core is gone: its gauges read zero (its counters keep their totals)."""
+        name = self.model_name
+        for gauge in (self._num_requests_running, self._num_requests_waiting, self._kv_cache_usage_perc):
+            gauge.labels(name, engine).set(0)
+
     def set_engines_alive(self, n: int) -> None:
         self._num_engines_alive.set(n)
 

@@ -67,6 +67,9 @@ class _Sink:
     def failed(self, request_ids: list[str], exc: BaseException) -> None:
         self.events.put(("failed", (request_ids, exc)))
 
+    def core_lost(self, rank: int) -> None:
+        self.core_stats.pop(rank, None)
+
     def all_dead(self, exc: BaseException) -> None:
         self.dead = exc
         self.events.put(("dead", exc))
@@ -241,7 +244,7 @@ class MPLLMEngine:
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while True:
             stats = list(self._core_stats.values())
-            idle = len(stats) == len(self.client.cores) and all(
+            idle = len(stats) == self.client.num_alive and all(
                 s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_kv_blocks
                 for s in stats
             )

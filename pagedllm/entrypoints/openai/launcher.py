@@ -145,7 +145,13 @@ def run_frontend(
     remote = RemoteEngine(info, tokenizer, config)
     served_name = config.served_model_name or info.model_name
     metrics = EngineMetrics(served_name)
-    engine = AsyncMPEngine(client, remote, metrics=metrics, records_engine_stats=index == 0)
+    engine = AsyncMPEngine(
+        client,
+        remote,
+        metrics=metrics,
+        records_engine_stats=index == 0,
+        max_queued_requests=args.max_queued_requests,
+    )
     return serve_engine(args, engine, served_name, info.max_logprobs, metrics, sock)
 
 
@@ -309,10 +315,10 @@ def run_headless(args: argparse.Namespace, config: EngineConfig) -> int:
                 reporter.report(rank, code)
     finally:
         reporter.close()
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
         cores.terminate()  # a core exits cleanly on SIGTERM
         cores.stop(timeout=args.shutdown_timeout + 5.0)
+        for sig, handler in saved.items():  # after the cores: a second SIGTERM changes nothing
+            signal.signal(sig, handler)
     codes = {rank: cores.exitcode(rank) for rank in cores.processes}
     bad = {rank: code for rank, code in codes.items() if code not in (0, -signal.SIGTERM)}
     if bad:
