@@ -71,7 +71,7 @@ from pagedllm.bench.common import (
     write_json,
 )
 from pagedllm.bench.hf_reference import greedy_compare
-from pagedllm.bench.workloads import BenchRequest, _random_ids, _token_pool
+from pagedllm.bench.workloads import BenchRequest, Workload, _random_ids, _token_pool
 from pagedllm.config import EngineConfig
 from pagedllm.engine.stats import EngineStats
 from pagedllm.sampling_params import SamplingParams
@@ -98,29 +98,13 @@ WARMUP_PROMPT_LEN = 8
 
 
 @dataclass
-class GroupedWorkload:
+class GroupedWorkload(Workload):
     """Requests in arrival order; ``groups[i]`` is the group (system prompt) of request ``i``."""
 
-    requests: list[BenchRequest]
-    groups: list[int]
-    params: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(r.prompt_len for r in self.requests)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(r.output_len for r in self.requests)
+    groups: list[int] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "num_requests": len(self.requests),
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_output_tokens": self.num_output_tokens,
-            "arrival_groups": list(self.groups),
-            **self.params,
-        }
+        return {**super().summary(), "arrival_groups": list(self.groups)}
 
 
 def grouped_workload(
@@ -154,9 +138,10 @@ def grouped_workload(
     ]
     rng.shuffle(tagged)
     return GroupedWorkload(
+        "grouped",
         [r for _, r in tagged],
-        [g for g, _ in tagged],
-        {
+        groups=[g for g, _ in tagged],
+        params={
             "groups": groups,
             "per_group": per_group,
             "system_len": system_len,
