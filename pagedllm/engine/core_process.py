@@ -55,6 +55,7 @@ from pagedllm.engine.core_protocol import (
     StartFailed,
     Welcome,
 )
+from pagedllm.engine.metrics import StatLogger
 from pagedllm.engine.output_deltas import DeltaEncoder, metrics_times
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
@@ -128,7 +129,9 @@ class _CoreIO:
         self.commands: queue.SimpleQueue[AddRequest | AbortRequests | Shutdown | ResetPrefixCache] = (
             queue.SimpleQueue()
         )
-        # request id -> the front-end (index) that sent it; touched by the I/O thread only.
+        # request id -> the front-end (index) that sent it: set by the I/O thread as the request
+        # arrives (before the step loop sees it), read and dropped by the step loop (each a single
+        # dict operation).
         self.owner: dict[str, int] = {}
         # The step loop's outgoing messages: (front-end index or -1 for all, payload).
         self.outbox = ctx.socket(zmq.PAIR)
@@ -192,7 +195,8 @@ class _CoreIO:
             poller.register(sock, zmq.POLLIN)
         decode = self.codec.to_core.decode
         while not self.stopping.is_set():
-            ready = dict(poller.poll(int(HEARTBEAT_S * 500)))
+            # While grammars compile, look at them often: a compiled request waits for this loop.
+            ready = dict(poller.poll(5 if self.compiling else int(HEARTBEAT_S * 500)))
             if self.outbox in ready:
                 while self.outbox.poll(0):
                     target_b, payload = self.outbox.recv_multipart()
@@ -297,8 +301,6 @@ class EngineCoreProc:
         self.num_frontends = len(io.dealers)
         pool = engine.kv_cache_manager.pool
         pool.report_events = options.report_cache_events
-        from pagedllm.engine.metrics import StatLogger
-
         self.stat_logger = StatLogger(options.log_stats_interval) if options.log_stats_interval else None
 
     def run(self) -> None:
