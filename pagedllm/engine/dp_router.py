@@ -75,7 +75,10 @@ class PrefixRouter:
         return idle[turn % len(idle)]
 
     def routed(self, rank: int, prompt_token_ids: list[int]) -> None:
-        """Record that a prompt went to ``rank`` (its full blocks will be cached there)."""
+        """Record that a prompt went to ``rank`` (its full blocks will be cached there); nothing to
+        record when the index is never read (one core, or round robin)."""
+        if self.policy == "round_robin" or len(self.index) < 2:
+            return
         self.add(rank, prompt_block_hashes(prompt_token_ids, self.block_size))
 
     def add(self, rank: int, hashes: Sequence[int]) -> None:

@@ -79,7 +79,7 @@ class _Sink:
         self.fresh.add(rank)
 
 
-class MPLLMEngine:
+class MPLLMEngine(RemoteEngine):
     """An offline engine whose model runs in core processes (see the module docstring).
 
     Not thread-safe: one thread calls it, as with :class:`LLMEngine`.
@@ -120,16 +120,9 @@ class MPLLMEngine:
         except RuntimeError as exc:
             self._finalizer()
             raise ValueError(f"Could not start the engine: {exc}") from None
-        self.remote = RemoteEngine(info, tokenizer, config)
-        self.tokenizer = tokenizer
-        self.input_processor = self.remote  # .tokenize(prompt), as beam search asks
-        self.model_name = info.model_name
-        self.task = info.task
-        self.max_model_len = info.max_model_len
-        self.vocab_size = info.vocab_size
-        self.eos_token_ids = list(info.eos_token_ids)
-        self.default_sampling = dict(info.default_sampling)
-        self.pooling_config = self.remote.pooling_config
+        # The tokenizer and the model's facts, as a front-end sees them.
+        RemoteEngine.__init__(self, info, tokenizer, config)
+        self.input_processor = self  # .tokenize(prompt), as beam search asks
         self._unfinished: set[str] = set()
         self.client.start()
 
@@ -155,7 +148,7 @@ class MPLLMEngine:
             raise ValueError(f"This engine runs task 'generate' ({self.model_name}): it does not embed.")
         if params is None:
             params = PoolingParams() if self.task == "embed" else SamplingParams()
-        text, ids = self.remote.tokenize(prompt)
+        text, ids = self.tokenize(prompt)
         self._unfinished.add(request_id)
         self.client.add(request_id, text, ids, params)
 
@@ -253,14 +246,6 @@ class MPLLMEngine:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine cores not idle: {stats}")
             time.sleep(0.05)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        return self.remote.apply_chat_template(messages, add_generation_prompt, tools)
 
     def shutdown(self) -> None:
         """Stop the core processes (idempotent)."""
