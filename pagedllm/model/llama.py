@@ -109,6 +109,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def init_rotary(self, max_position: int) -> None:
+        """(Re)build the float32 rotary tables (on the CPU; the runner moves the model afterwards)."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)

@@ -18,9 +18,10 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.layers import RotaryEmbedding
-from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
+from pagedllm.model.llama import ForwardContext
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.quantization import install_gguf_blocks, quantize_float_linears
+from pagedllm.model.registry import model_class
 from pagedllm.outputs import Logprob
 from pagedllm.sample.sampler import DeviceSamples, Sampler, SamplingInputs
 from pagedllm.worker.cpu_memory import keep_freed_memory
@@ -100,16 +101,16 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend: AttentionBackend = get_attention_backend(attention_backend)
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, max_model_len)
+            model = model_class(model_config)(model_config, max_model_len)
         model = model.to_empty(device="cpu")
         # Buffers are not in the checkpoint: rebuild the rotary tables for real.
-        model.rotary = RotaryEmbedding(
-            model_config.head_dim, max_model_len, model_config.rope_theta, model_config.rope_scaling
-        )
+        model.init_rotary(max_model_len)
         model.load_weights(install_gguf_blocks(model, weights))
         self.model = model.to(device=device, dtype=dtype).eval()
         # Rotary tables stay fp32 for accuracy.
-        self.model.rotary.to(dtype=torch.float32)
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.to(dtype=torch.float32)
         if quantization in ("int8", "fp8"):
             count = quantize_float_linears(self.model, quantization, device)
             logger.info("Weight-only %s: %d linear layers quantized.", quantization, count)
