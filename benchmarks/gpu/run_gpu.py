@@ -22,6 +22,8 @@
    ``LLM.generate`` on the same requests: output tokens per second of each.
 7. ``hf``: transformers' continuous batching (the manager behind ``generate_batch``) on a subsample of
    the same requests, time-bounded, against the engine on that same subsample.
+8. ``serve_processes``: ``pagedllm serve`` as users run it (a core process and 1 or 2 front-end
+   processes) streaming the ``serve`` section's requests, against that section's offline run.
 
 Each section is a module of ``sections/``; this script parses the options, runs the sections in
 order and saves the results after each.
@@ -58,6 +60,7 @@ from sections.quantization import section_quantization
 from sections.random_model import write_random_model
 from sections.roofline import section_roofline
 from sections.serve import section_serve
+from sections.serve_processes import section_serve_processes
 from sections.summary import summary_table
 from sections.throughput import section_throughput
 
@@ -179,8 +182,9 @@ class Run:
                     state.llm, decode, settings, state.requests, throughput, state.dtype
                 ),
             )
+        serve = None
         if self.wants("serve"):
-            self.section(
+            serve = self.section(
                 "serve",
                 lambda: section_serve(
                     state.llm,
@@ -192,6 +196,20 @@ class Run:
         if self.wants("hf") and throughput is not None:
             self.section("hf", lambda: section_hf(state))
         state.llm = None
+        if self.wants("serve_processes") and serve is not None:
+            free_device_memory(device)  # the server's core process needs the device to itself
+            self.section(
+                "serve_processes",
+                lambda: section_serve_processes(
+                    state,
+                    settings,
+                    state.requests[: settings.serve_requests],
+                    args.temperature,
+                    settings.serve_max_output,
+                    serve,
+                    self.workdir,
+                ),
+            )
         if self.wants("quantization"):  # its own engines, once the shared one has let the GPU go
             self.section("quantization", lambda: section_quantization(state))
 

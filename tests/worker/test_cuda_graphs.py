@@ -305,7 +305,7 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The summary table comes last.
@@ -361,3 +361,13 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
     hf = results["hf"]
     assert hf["hf"]["output_tokens_per_s"] > 0 and hf["engine"]["num_requests"] == hf["hf"]["num_requests"]
     assert "of the 8 workload requests" in hf["note"]
+    # pagedllm serve as its own process tree, 1 and 2 front-ends, against the serve section's offline run.
+    processes = results["serve_processes"]
+    assert processes["passed"] and set(processes["runs_by_api_server_count"]) == {"1", "2"}
+    for run in processes["runs_by_api_server_count"].values():
+        assert run["failed"] == 0 and run["exit_status"] == 0 and run["processes_left_running"] == 0
+        assert run["output_tokens"] == serve["offline"]["expected_output_tokens"]
+        assert run["server_over_offline"] == pytest.approx(
+            run["output_tokens_per_s"] / processes["offline_output_tokens_per_s"]
+        )
+        assert run["server_cpu_s"] > 0

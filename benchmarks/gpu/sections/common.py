@@ -15,7 +15,17 @@ import torch
 from pagedllm.bench.common import write_json
 from pagedllm.bench.workloads import BenchRequest
 
-SECTIONS = ("kernels", "equivalence", "throughput", "decode", "roofline", "serve", "hf", "quantization")
+SECTIONS = (
+    "kernels",
+    "equivalence",
+    "throughput",
+    "decode",
+    "roofline",
+    "serve",
+    "hf",
+    "serve_processes",
+    "quantization",
+)
 
 
 @dataclass

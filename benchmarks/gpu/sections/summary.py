@@ -197,6 +197,19 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(("serve", "server ms per step", fmt(sv["server"]["ms_per_step"], 2)))
     else:
         rows.append(("serve", "status", status(sv)))
+    sp = results.get("serve_processes")
+    if sp and "runs_by_api_server_count" in sp:
+        for count, run in sp["runs_by_api_server_count"].items():
+            rows.append(
+                (
+                    "serve_processes",
+                    f"pagedllm serve, {count} front-end(s) / offline tok/s",
+                    f"{fmt(run['output_tokens_per_s'])} / {fmt(sp['offline_output_tokens_per_s'])}"
+                    f" = {fmt(100 * run['server_over_offline'])}%",
+                )
+            )
+    else:
+        rows.append(("serve_processes", "status", status(sp)))
     rows += quantization.summary_rows(results.get("quantization"))
     rows.append(("overall", "checks", "passed" if results.get("passed") else "FAILED"))
     return rows
