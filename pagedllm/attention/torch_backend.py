@@ -3,11 +3,16 @@
 Decodes (query length 1) are batched: their K/V are gathered through the block tables into a padded
 tensor and masked by sequence length. Prefill chunks are handled one request at a time with an
 explicit causal mask offset by the request's already-computed context.
+
+A sliding window (a query at position p sees keys in ``(p - window, p]``) and logit soft-capping
+(``cap * tanh(score / cap)`` before the softmax) take a separate path (:class:`WindowPlan`): it
+gathers only the blocks that hold keys inside some query's window, so blocks wholly before the
+window are never read (a KV cache manager may have released them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +79,97 @@ class BatchPlan:
     starts: list[int]  # first query row of each request (and the total row count last)
     decodes: object | None
     prefills: object | None
+    # Plans of the window / soft-cap path, by window (None: full causal), built on first use.
+    windowed: dict[int | None, WindowPlan] = field(default_factory=dict)
+
+
+@dataclass
+class WindowSpan:
+    """Requests whose K/V are gathered together: each request's blocks ``first_block[i]`` on, as
+    ``tables`` (``[n, num_blocks]``, indices clamped into the table) and ``mask`` (bool
+    ``[n, 1, rows, num_blocks * block_size]``, True where a query row may attend).
+
+    ``unread`` (``[n, 1, L, 1]``) marks gathered positions no query attends to: they are zeroed after
+    the gather, since slots past a request's context or before its window may hold anything (even
+    NaN, which a masked softmax would still propagate)."""
+
+    reqs: list[int]
+    tables: torch.Tensor
+    mask: torch.Tensor
+    unread: torch.Tensor
+    length: int  # gathered positions, num_blocks * block_size
+
+
+@dataclass
+class WindowPlan:
+    """The window / soft-cap path's plan of one batch: decodes in groups of similar span, prompt
+    chunks one request each (rows ``starts[i]:starts[i + 1]``)."""
+
+    decodes: list[tuple[torch.Tensor, WindowSpan]]  # (flat query rows, span)
+    prefills: list[WindowSpan]
+
+
+def window_span(
+    meta: AttentionMetadata,
+    reqs: list[int],
+    block_size: int,
+    window: int | None,
+    device: torch.device,
+) -> WindowSpan:
+    """The gather plan for requests ``reqs``, all with the same query length ``q``.
+
+    Request i's queries sit at positions ``seq_len - q ... seq_len - 1``; the first key any of them
+    sees is ``max(0, seq_len - q - window + 1)`` (0 without a window), so blocks before that key's
+    block are left out.
+    """
+    ql = meta.query_lens_cpu[reqs[0]]
+    seq = torch.tensor([meta.seq_lens_cpu[i] for i in reqs], device=device)
+    first = torch.zeros_like(seq) if window is None else (seq - ql - window + 1).clamp(min=0) // block_size
+    last = (seq - 1) // block_size
+    nblk = int((last - first).max().item()) + 1
+    cols = first[:, None] + torch.arange(nblk, device=device)[None, :]
+    table_rows = meta.block_tables[torch.tensor(reqs, device=meta.block_tables.device)]
+    width = table_rows.shape[1]
+    tables = table_rows.gather(1, cols.clamp(max=width - 1).to(table_rows.device))
+    key_pos = (first[:, None] * block_size + torch.arange(nblk * block_size, device=device)[None, :])[
+        :, None, :
+    ]
+    q_pos = (seq[:, None] - ql + torch.arange(ql, device=device)[None, :])[:, :, None]
+    mask = key_pos <= q_pos  # [n, ql, L]
+    if window is not None:
+        mask &= key_pos > q_pos - window
+    unread = ~mask.any(dim=1)[:, None, :, None]
+    return WindowSpan(reqs=reqs, tables=tables, mask=mask[:, None], unread=unread, length=nblk * block_size)
+
+
+def _gather_span(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, span: WindowSpan, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a span as ``[n, kv_heads, L, head_dim]``, zero where no query attends."""
+    k = gather_kv(k_cache, span.tables, span.length).transpose(1, 2).to(dtype)
+    v = gather_kv(v_cache, span.tables, span.length).transpose(1, 2).to(dtype)
+    return k.masked_fill(span.unread, 0.0), v.masked_fill(span.unread, 0.0)
+
+
+def attend_masked(
+    q: torch.Tensor,  # [B, H, M, d]
+    k: torch.Tensor,  # [B, KVH, L, d]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool, [B, 1, M, L]: True where a query row may attend
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:  # [B, H, M, d]
+    """Attention with an explicit mask; query head h reads KV head ``h // (H // KVH)``."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    b, h, m, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    g = h // kvh
+    scores = torch.matmul(q.reshape(b, kvh, g * m, d), k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.view(b, kvh, g, m, length).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, kvh, g * m, length)
+    return torch.matmul(probs, v).view(b, h, m, d)
 
 
 def _decode_group(
@@ -238,6 +334,62 @@ class TorchAttentionBackend:
     ) -> TorchAttentionBackend:
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs.")
 
+    def window_plan(
+        self,
+        meta: AttentionMetadata,
+        plan: BatchPlan,
+        block_size: int,
+        window: int | None,
+        device: torch.device,
+    ) -> WindowPlan:
+        """The window / soft-cap path's plan for this batch and window (cached on ``plan``)."""
+        wp = plan.windowed.get(window)
+        if wp is not None:
+            return wp
+        qlens = meta.query_lens_cpu
+        decodes = [i for i, q in enumerate(qlens) if q == 1]
+        spans = [
+            meta.seq_lens_cpu[i] if window is None else min(meta.seq_lens_cpu[i], window + block_size)
+            for i in decodes
+        ]
+        decode_groups = []
+        for g in group_by_length(spans) if decodes else []:
+            reqs = [decodes[j] for j in g]
+            rows = torch.tensor([plan.starts[i] for i in reqs], device=device)
+            decode_groups.append((rows, window_span(meta, reqs, block_size, window, device)))
+        prefills = [window_span(meta, [i], block_size, window, device) for i, q in enumerate(qlens) if q > 1]
+        wp = WindowPlan(decodes=decode_groups, prefills=prefills)
+        plan.windowed[window] = wp
+        return wp
+
+    def attend_windowed(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: BatchPlan,
+        wp: WindowPlan,
+        scale: float,
+        soft_cap: float | None,
+    ) -> None:
+        """Attention of the window / soft-cap path (see :class:`WindowPlan`)."""
+        for rows, span in wp.decodes:
+            k, v = _gather_span(k_cache, v_cache, span, query.dtype)  # [n, kvh, L, d]
+            q = query[rows]
+            nb, nh, hd = q.shape
+            kvh = k.shape[1]
+            # As in attend_decodes: each KV head's query heads become the query-length axis.
+            o = attend_masked(q.view(nb, kvh, nh // kvh, hd), k, v, span.mask, scale, soft_cap)
+            out.index_copy_(0, rows, o.reshape(nb, nh, hd))
+        for span in wp.prefills:
+            i = span.reqs[0]
+            s, e = plan.starts[i], plan.starts[i + 1]
+            k, v = _gather_span(k_cache, v_cache, span, query.dtype)  # [1, kvh, L, d]
+            q = query[s:e].transpose(0, 1)[None]  # [1, H, ql, d]
+            o = attend_masked(q, k, v, span.mask, scale, soft_cap)
+            out[s:e] = o[0].transpose(0, 1)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -245,9 +397,16 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         plan = self._plan_for(meta, query.device, query.shape[-1])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if sliding_window is not None or logits_soft_cap is not None:
+            wp = self.window_plan(meta, plan, k_cache.shape[1], sliding_window, query.device)
+            self.attend_windowed(query, out, k_cache, v_cache, plan, wp, scale, logits_soft_cap)
+            return out
         if plan.decodes is not None:
             self.attend_decodes(query, out, k_cache, v_cache, plan.decodes, scale)
         if plan.prefills is not None:

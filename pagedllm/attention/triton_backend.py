@@ -84,9 +84,21 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         config = self.launch_config(query, k_cache, meta)
-        return triton_kernels.paged_attention(query, k_cache, v_cache, meta, scale, config=config)
+        return triton_kernels.paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta,
+            scale,
+            config=config,
+            sliding_window=sliding_window,
+            soft_cap=logits_soft_cap,
+        )
 
 
 def _same_key(a: tuple[object, ...], b: tuple[object, ...]) -> bool:

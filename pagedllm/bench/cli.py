@@ -41,6 +41,10 @@ BENCHMARKS = {
         "pagedllm.bench.prefix_routing",
         "Prefix-cache hit rate of data-parallel prefix routing against one core and round-robin.",
     ),
+    "moe": (
+        "pagedllm.bench.moe",
+        "Mixture-of-experts throughput (a random Mixtral-shaped model) against transformers' static batching.",
+    ),
     "multiprocess": (
         "pagedllm.bench.multiprocess",
         "Offline throughput with the engine in a core process against in-process, on the same workload.",

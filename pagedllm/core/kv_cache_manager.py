@@ -1,4 +1,5 @@
-"""Per-request block tables on top of the block pool, with prefix caching."""
+"""Per-request block tables on top of the block pool, with prefix caching and, for models whose
+every layer attends through a sliding window, the release of blocks that have left the window."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.request import Request
+
+# A block-table entry whose block was released (it lies wholly before the attention window of every
+# token the request will still compute): attention never reads it.
+RELEASED_BLOCK = -1
 
 # The chain's start. Python hashes tuples of ints the same way in every process (unlike strings), so
 # a front-end computes the hashes a core's prefix cache uses (for prefix-aware routing).
@@ -37,16 +42,50 @@ class PrefixCacheStats:
     hits: int = 0  # of those, found in the cache
 
 
+def uniform_sliding_window(model_config: object) -> int | None:
+    """The window whose out-of-window blocks a KV cache manager may release for this model: the
+    largest layer window when every layer has one (Mistral), else None (full-attention layers need
+    every block). Reads ``num_hidden_layers`` and ``layer_sliding_window(i)`` when the config has them."""
+    window_of = getattr(model_config, "layer_sliding_window", None)
+    num_layers = getattr(model_config, "num_hidden_layers", 0)
+    if window_of is None or not num_layers:
+        return None
+    windows = [window_of(i) for i in range(num_layers)]
+    if any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 class KVCacheManager:
     """Gives requests KV blocks and finds their cached prefixes.
 
-    Invariants: each block id in a request's ``block_ids`` holds one reference of that request;
-    ``free`` returns all of them at once; when no request holds blocks, every block is free (cached
-    or not) and has ref_cnt 0.
+    Invariants: each block id in a request's ``block_ids`` other than :data:`RELEASED_BLOCK` holds
+    one reference of that request; ``free`` returns all of them at once; when no request holds
+    blocks, every block is free (cached or not) and has ref_cnt 0.
+
+    Sliding window (``sliding_window`` set: every layer of the model attends only to the last
+    ``sliding_window`` positions, so the token at position p reads keys ``p - sliding_window + 1 ..
+    p``): the tokens a request still computes sit at positions ``num_computed_tokens`` and later,
+    so they never read keys before ``num_computed_tokens - sliding_window + 1``. Each
+    :meth:`allocate_slots` first releases the blocks wholly before that key: their entries in
+    ``block_ids`` become :data:`RELEASED_BLOCK` (logical indices are kept, and the entries are a
+    prefix of ``block_ids``), and attention backends never read them; prefix-cache hits wholly
+    before the window of a request being admitted are not taken at all. So a running request holds at
+    most ``cdiv(sliding_window - 1 + num_new_tokens, block_size) + 1`` blocks after a step's
+    allocation. Released blocks go back to the pool with their prefix-cache entries, like the blocks
+    of a finished request: a later prefix hit reuses such a block only while it is still registered
+    (unreferenced blocks are unregistered when they are reallocated), so a hit never assumes a block
+    that was released and then overwritten. A request preempted after releasing blocks recomputes
+    from its longest cached prefix like any other.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive integer, got {sliding_window}.")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.stats = PrefixCacheStats()
@@ -94,27 +133,60 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
         ``computed`` are prefix-cache hits for a request being admitted. Returns False and changes
-        nothing when there are not enough free blocks.
+        nothing when there are not enough free blocks (blocks released from the window stay
+        released: the request no longer needs them either way).
         """
+        if self.sliding_window is not None and request.block_ids:
+            self.release_out_of_window(request)
         capacity = len(request.block_ids) * self.block_size
         if not computed and request.num_computed_tokens + num_new_tokens <= capacity:
             return True  # the room is there already (most decode steps)
         computed = computed or []
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         need = self.blocks_needed(request, num_computed + num_new_tokens, computed)
-        # Hits that are currently unreferenced come out of the free queue too.
-        hits_from_free = sum(1 for b in computed if b.ref_cnt == 0)
+        # Hits wholly before the window of the tokens to compute are not taken (their entries are
+        # released at once); the others that are currently unreferenced come out of the free queue.
+        # (Hits come only with a request being admitted, which holds no blocks yet.)
+        skip = min(self._first_needed_block(num_computed), len(computed)) if computed else 0
+        kept = computed[skip:]
+        hits_from_free = sum(1 for b in kept if b.ref_cnt == 0)
         if need + hits_from_free > self.pool.num_free_blocks:
             return False
         if computed:
-            self.pool.touch(computed)
-            request.block_ids.extend(b.block_id for b in computed)
+            self.pool.touch(kept)
+            request.block_ids.extend([RELEASED_BLOCK] * skip)
+            request.block_ids.extend(b.block_id for b in kept)
             for b in computed:
                 assert b.block_hash is not None
                 request.block_hashes.append(b.block_hash)
         if need:
             request.block_ids.extend(b.block_id for b in self.pool.allocate(need))
         return True
+
+    def _first_needed_block(self, num_computed_tokens: int) -> int:
+        """Logical index of the first block that tokens from position ``num_computed_tokens`` on
+        read (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def release_out_of_window(self, request: Request) -> int:
+        """Release the request's blocks wholly before the window of its remaining tokens (see the
+        class docstring); returns how many were released."""
+        ids = request.block_ids
+        end = min(self._first_needed_block(request.num_computed_tokens), len(ids))
+        released = [b for b in ids[:end] if b != RELEASED_BLOCK]
+        if not released:
+            return 0
+        # Oldest first in the eviction order: they are the least likely prefix to be hit again.
+        self.pool.free(released)
+        for i in range(end):
+            ids[i] = RELEASED_BLOCK
+        return len(released)
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks the request holds a reference on (released entries excluded)."""
+        return sum(1 for b in request.block_ids if b != RELEASED_BLOCK)
 
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> list[int]:
         """Register the request's full blocks within its first ``num_tokens`` tokens (default: the
@@ -133,8 +205,11 @@ class KVCacheManager:
         for i in range(len(request.block_hashes), num_full):
             tokens = self._block_tokens(request, i)
             h = hash_block(parent, tokens)
-            if self.pool.register(request.block_ids[i], h, tokens):
-                registered.append(request.block_ids[i])
+            block_id = request.block_ids[i]
+            # A block released before it could be registered (its last token was in flight) only
+            # extends the hash chain.
+            if block_id != RELEASED_BLOCK and self.pool.register(block_id, h, tokens):
+                registered.append(block_id)
             request.block_hashes.append(h)
             parent = h
         return registered
@@ -145,7 +220,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; tail blocks go first in the eviction order."""
-        self.pool.free(list(reversed(request.block_ids)))
+        self.pool.free([b for b in reversed(request.block_ids) if b != RELEASED_BLOCK])
         request.block_ids = []
         request.block_hashes = []
 

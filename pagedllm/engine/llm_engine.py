@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
@@ -154,7 +154,12 @@ class LLMEngine:
                 self.pooling_config,
                 PoolingLimits(self.max_model_len, config.block_size, None if encoder else num_blocks),
             )
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            prefix_caching,
+            sliding_window=uniform_sliding_window(executor.model_config),
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,

@@ -21,12 +21,17 @@ from pagedllm.kernels.cpu.library import kernels_available
 from pagedllm.kernels.cpu.linear import PanelLinear
 from pagedllm.kernels.cpu.quant_linear import QuantLinear
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
+from pagedllm.model.moe import is_moe_model
 
 
 def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str | None:
     """Why :class:`NativeDecodeLayers` cannot run ``model``, or None when it can."""
     if attention_backend != "cpu":
         return f"attention backend {attention_backend!r} (needs 'cpu')"
+    if is_moe_model(model):
+        return "mixture-of-experts layers"
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} layers (Llama-family layers only)"
     if not kernels_available():
         return "native kernels unavailable"
     norm = model.norm.weight
@@ -40,6 +45,10 @@ def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str |
             return "a projection of more than four quantized parts"
         if layer.self_attn.q_norm is not None:
             return "q/k norms"
+        if getattr(layer.self_attn, "sliding_window", None) is not None:
+            return "sliding-window attention"
+        if getattr(layer.self_attn, "logits_soft_cap", None) is not None:
+            return "attention logit soft-capping"
         if any(m.bias is not None for m in linears[1:]):
             return "biases outside the q/k/v projection"
     return None

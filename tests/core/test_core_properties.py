@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
 
 def check_invariants(sched: Scheduler, kv_cache_manager: KVCacheManager) -> None:
     pool = kv_cache_manager.pool
-    held = Counter(b for r in sched.running for b in r.block_ids)
+    held = Counter(b for r in sched.running for b in r.block_ids if b != RELEASED_BLOCK)
     for r in sched.waiting:
         assert r.block_ids == [], "waiting requests hold no blocks"
     for block in pool.blocks:
@@ -39,6 +39,15 @@ def check_invariants(sched: Scheduler, kv_cache_manager: KVCacheManager) -> None
         assert block.block_hash == h
     for r in sched.running:
         assert len(r.block_ids) * kv_cache_manager.block_size >= r.num_computed_tokens
+        released = [b == RELEASED_BLOCK for b in r.block_ids]
+        assert released == sorted(released, reverse=True), "released entries are a prefix"
+        window = kv_cache_manager.sliding_window
+        if window is None:
+            assert not any(released)
+        else:
+            # Never a block that a token still to compute reads (keys from num_computed - window + 1).
+            first_needed = max(0, r.num_computed_tokens - window + 1) // kv_cache_manager.block_size
+            assert sum(released) <= first_needed
 
 
 def drive(
@@ -49,9 +58,10 @@ def drive(
     budget: int,
     caching: bool,
     seed: int,
+    window: int | None = None,
 ) -> None:
     rng = random.Random(seed)
-    kv_cache_manager = KVCacheManager(num_blocks, block_size, caching)
+    kv_cache_manager = KVCacheManager(num_blocks, block_size, caching, sliding_window=window)
     sched = Scheduler(SchedulerConfig(max_seqs, budget), kv_cache_manager)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     next_id = 0
@@ -67,6 +77,12 @@ def drive(
             assert s.request.status == RequestStatus.RUNNING
             need = s.request.num_computed_tokens + s.num_tokens
             assert len(s.request.block_ids) * block_size >= need, "KV room for the scheduled tokens"
+            if window is not None:
+                first_key = max(0, s.request.num_computed_tokens - window + 1)
+                ids = s.request.block_ids[first_key // block_size : -(-need // block_size)]
+                assert RELEASED_BLOCK not in ids, "every block the step reads is held"
+                held = kv_cache_manager.num_held_blocks(s.request)
+                assert held <= -(-(window - 1 + s.num_tokens) // block_size) + 1, "window bound"
         sampled = [s.request for s in out.scheduled_requests if s.needs_sample]
         sched.update_after_step(out)
         for req in sampled:
@@ -117,6 +133,48 @@ op_strategy = st.lists(
 )
 def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, max_seqs, budget, caching, seed):
     drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=op_strategy,
+    num_blocks=st.integers(4, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    max_seqs=st.integers(1, 8),
+    budget=st.integers(1, 64),
+    caching=st.booleans(),
+    seed=st.integers(0, 2**16),
+    window=st.integers(1, 40),
+)
+def test_random_add_step_abort_with_a_sliding_window(
+    ops, num_blocks, block_size, max_seqs, budget, caching, seed, window
+):
+    """Blocks leave a request once out of its window; ref counts, the idle state and the blocks each
+    step reads stay right."""
+    drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed, window)
+
+
+def test_sliding_window_releases_blocks_and_skips_old_hits():
+    manager = KVCacheManager(16, 4, True, sliding_window=6)
+    a = make_request("a", list(range(1, 22)), 4)  # 21 tokens: 5 full blocks
+    assert manager.allocate_slots(a, 21)
+    a.num_computed_tokens = 21
+    manager.cache_full_blocks(a)
+    first = list(a.block_ids)
+    assert manager.allocate_slots(a, 1)  # the next token (position 21) reads keys 16..21
+    assert a.block_ids[:4] == [RELEASED_BLOCK] * 4 and a.block_ids[4:] == first[4:]
+    assert manager.num_held_blocks(a) == 2 and manager.num_free_blocks == 14
+    # The released blocks stay cached: an identical prompt hits all five full blocks but takes only
+    # those its first computed token (position 20, keys 15..20) reads.
+    b = make_request("b", list(range(1, 22)), 4)
+    hits, n = manager.get_computed_blocks(b)
+    assert n == 20 and [h.block_id for h in hits] == first[:5]
+    assert manager.allocate_slots(b, 1, hits)
+    assert b.block_ids[:3] == [RELEASED_BLOCK] * 3 and b.block_ids[3:5] == first[3:5]
+    assert len(b.block_hashes) == 5
+    manager.free(a)
+    manager.free(b)
+    manager.check_idle()
 
 
 def test_prefix_cache_hit_reuses_blocks_and_leaves_one_token():

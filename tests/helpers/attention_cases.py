@@ -77,8 +77,25 @@ class Batch:
         self.scale = head_dim**-0.5
 
 
-def reference_attention(batch: Batch) -> torch.Tensor:
-    """Per request: gather K/V through the block table, causal softmax attention in float32."""
+def release_blocks_before_window(batch: Batch, window: int) -> None:
+    """Point every block-table entry wholly before its request's window at a NaN block, as a
+    sliding-window KV cache manager that released those blocks would leave it (never to be read)."""
+    block_size = batch.k_cache.shape[1]
+    used = set(batch.block_tables.flatten().tolist())
+    spare = next(b for b in range(batch.k_cache.shape[0]) if b not in used)  # holds NaN
+    for i, (query_len, seq_len) in enumerate(batch.requests):
+        first_key = max(0, seq_len - query_len - window + 1)
+        batch.block_tables[i, : first_key // block_size] = spare
+
+
+def reference_attention(
+    batch: Batch, sliding_window: int | None = None, soft_cap: float | None = None
+) -> torch.Tensor:
+    """Per request: gather K/V through the block table, causal softmax attention in float32.
+
+    ``sliding_window``: a query at position p sees keys in ``(p - window, p]``; ``soft_cap``: scores
+    become ``cap * tanh(score / cap)`` before the softmax. Keys outside every query's window are
+    dropped before the product, so NaN blocks there do not matter."""
     k_cache, v_cache = batch.k_cache.float(), batch.v_cache.float()
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = batch.num_heads // num_kv_heads
@@ -89,9 +106,16 @@ def reference_attention(batch: Batch) -> torch.Tensor:
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
         q = batch.query[start : start + query_len].float()
+        first = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+        k, v = k[first:], v[first:]
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(seq_len - query_len, seq_len)
-        visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(first, seq_len)[None, :]
+        visible = k_pos <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= k_pos > q_pos[:, None] - sliding_window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[start : start + query_len] = torch.einsum("hqk,khd->qhd", probs, v)
         start += query_len

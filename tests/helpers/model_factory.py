@@ -1,6 +1,7 @@
 """Tiny random-weight Hugging Face checkpoints for tests.
 
-``make_tiny_hf_model`` writes a 2-layer, 64-wide Llama / Mistral / Qwen2 / Qwen3 model made with
+``make_tiny_hf_model`` writes a 2-layer, 64-wide model of one of the families in ``_CONFIG_CLASSES``
+(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, Qwen3-MoE) made with
 transformers (``config.json``, ``model.safetensors``, ``generation_config.json``) plus the default
 model's tokenizer (vocabulary 49152, with its chat template) into a directory, ready for
 ``load_checkpoint`` and for ``AutoModelForCausalLM.from_pretrained`` as the reference.
@@ -15,12 +16,18 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerBase,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from pagedllm.model.loader import default_model_path
@@ -33,6 +40,12 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+    "phi3": Phi3Config,
+    "gemma2": Gemma2Config,
+    "gemma3_text": Gemma3TextConfig,
 }
 
 
@@ -64,6 +77,15 @@ def tiny_hf_config(arch: str, tie_word_embeddings: bool = False, **overrides: An
         kwargs["head_dim"] = 32  # deliberately not hidden_size // num_attention_heads
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "mixtral":  # 4 experts of width 64 (intermediate_size), 2 per token
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)
+    if arch in ("qwen2_moe", "qwen3_moe"):  # 8 experts of width 32, 2 per token
+        kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen2_moe":
+        kwargs["shared_expert_intermediate_size"] = 48
+    if arch in ("gemma2", "gemma3_text"):
+        kwargs["head_dim"] = 16  # transformers' Gemma default (256) would dwarf the tiny model
+        kwargs["query_pre_attn_scalar"] = 24  # deliberately not head_dim
     kwargs.update(overrides)
     return _CONFIG_CLASSES[arch](**kwargs)
 

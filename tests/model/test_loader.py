@@ -396,3 +396,17 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="Unsupported model architecture 'gpt2"):
         load_gguf(path)
+
+
+def test_gguf_with_expert_tensors_is_refused_by_name(tmp_path: Path) -> None:
+    """A Mixtral-style GGUF (experts stacked in ``ffn_*_exps`` tensors) is a clear error, not an
+    "unexpected tensor" deep in loading."""
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"mixture-of-experts tensors \('blk.0.ffn_gate_exps.weight'\)"):
+        load_gguf(str(path))

@@ -27,7 +27,7 @@ from pagedllm.model.loader import default_model_path
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
 
-# Every supported type, mixed inside the fused projections, plus Q5_0 (no kernels: dequantized).
+# Every supported type, mixed inside the fused projections, plus Q5_1 (no kernels: dequantized).
 TYPES = {
     "self_attn.q_proj.weight": "Q4_K",
     "self_attn.k_proj.weight": "Q6_K",
@@ -35,7 +35,7 @@ TYPES = {
     "self_attn.o_proj.weight": "Q5_K",
     "mlp.gate_proj.weight": "Q4_0",
     "mlp.up_proj.weight": "Q4_1",
-    "mlp.down_proj.weight": "Q5_0",
+    "mlp.down_proj.weight": "Q5_1",
 }
 
 
@@ -68,7 +68,7 @@ def test_blocks_are_kept_and_equal_the_float_load(
     path, expected = mixed_gguf
     with caplog.at_level(logging.WARNING, logger="pagedllm.model.gguf_loader"):
         _, kept = load_gguf(path, keep_quantized=True)
-    assert "Q5_0 (2 tensors)" in caplog.text  # the fallback, logged once with its types
+    assert "Q5_1 (2 tensors)" in caplog.text  # the fallback, logged once with its types
     _, floats = load_gguf(path)
     for name, value in kept.items():
         if isinstance(value, QuantizedWeight):
@@ -101,7 +101,7 @@ def test_engine_runs_the_blocks_and_native_decode_matches(
         "Q8_0",
     ]
     assert [p.type_name for p in mlp.gate_up_proj.parts] == ["Q4_0", "Q4_1"]
-    assert isinstance(mlp.down_proj, PanelLinear)  # Q5_0: dequantized, then panels
+    assert isinstance(mlp.down_proj, PanelLinear)  # Q5_1: dequantized, then panels
     assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
     assert model.lm_head.parts[0].blocks is model.embed_tokens.table.blocks  # tied: one copy
 

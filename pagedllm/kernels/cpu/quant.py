@@ -37,6 +37,12 @@ _TYPES: dict[str, tuple[int, int, int]] = {
 }
 SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)
 
+# GGUF types without kernels of their own that load, losslessly, as a kernel type: a Q5_0 block's
+# 5-bit quants (-16..15) and f16 scale are a Q8_0 block's (34 bytes instead of 22).
+REPACKED_TYPES: dict[str, str] = {"Q5_0": "Q8_0"}
+# Every GGUF type :meth:`QuantizedWeight.from_gguf` takes.
+LOADABLE_TYPES: tuple[str, ...] = SUPPORTED_TYPES + tuple(REPACKED_TYPES)
+
 _ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX2 + AVX-VNNI", 3: "AVX-512 VNNI"}
 
 
@@ -106,13 +112,38 @@ class QuantizedWeight:
 
     @classmethod
     def from_gguf(cls, tensor: Any) -> QuantizedWeight:
-        """From a ``gguf.ReaderTensor`` (copied out of the file's memory map, still as blocks)."""
+        """From a ``gguf.ReaderTensor`` (copied out of the file's memory map, still as blocks).
+
+        A type of :data:`REPACKED_TYPES` comes back as its kernel type, with the same values."""
         type_name = tensor.tensor_type.name
-        check_supported(type_name)
         dims = [int(v) for v in tensor.shape]  # GGUF lists the row length (ne0) first
         in_features, out_features = dims[0], math.prod(dims[1:])
+        if type_name == "Q5_0":
+            data = q5_0_to_q8_0(np.asarray(tensor.data, dtype=np.uint8).reshape(out_features, -1))
+            return cls("Q8_0", (out_features, in_features), torch.from_numpy(data))
+        check_supported(type_name)
         data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(out_features, -1)
         return cls(type_name, (out_features, in_features), torch.from_numpy(data))
+
+
+def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 rows ``[rows, 22 * n]`` (uint8) as Q8_0 rows ``[rows, 34 * n]`` of the same values.
+
+    A Q5_0 block is an f16 scale ``d``, 32 high bits ``qh`` (little-endian) and 16 bytes of nibbles;
+    value ``j < 16`` is ``d * ((qs[j] & 15 | bit j of qh << 4) - 16)``, value ``j + 16`` takes the high
+    nibble and bit ``j + 16``. The Q8_0 block keeps ``d`` and stores the 32 integers as int8, so
+    ``gguf.quants.dequantize`` gives the same float32 values bit for bit.
+    """
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(-1, 22)
+    qh = b[:, 2:6].copy().view("<u4")  # [n, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [n, 32]
+    qs = b[:, 6:22]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # [n, 32]
+    out = np.empty((b.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = b[:, :2]
+    out[:, 2:] = ((low | high).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)
 
 
 def kernel_isa() -> str:

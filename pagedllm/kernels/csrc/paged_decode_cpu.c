@@ -11,7 +11,15 @@
  * order, then the softmax, then the weighted sum of V rows likewise. Scores are kept whole (two
  * passes), so every K and V row is read once. head_dim 64 and 128 get specialised loops; with
  * AVX-512 they are vectorised by hand (decode_seq_avx512), other sizes and CPUs use portable loops.
+ *
+ * Sliding window (paged_decode_attention_window_f32, window > 0): the query at position len - 1
+ * sees keys lo = max(0, len - window) .. len - 1. Blocks before lo's block are never read (a KV
+ * cache manager may have released them); the rows of lo's block before lo are scored with the
+ * rest (they are held) and then given weight 0. Score buffers are indexed from the start of lo's
+ * block (``base``), with ``span`` = len - base scores per query head. Soft-capping (soft_cap > 0)
+ * maps each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,10 +33,20 @@ static inline int64_t block_rows(int64_t b, int64_t len, int64_t block_size)
 
 void softmax_row_f32(float *s, int64_t n); /* softmax_cpu.c */
 
-/* Each of the ``rows`` rows of ``scores`` (``len`` floats each) replaced by its softmax. */
-static inline void softmax_rows(float *scores, int64_t rows, int64_t len)
+/* Each of the ``rows`` score rows (``span`` floats each, the first ``skip`` of them before the
+ * window) replaced by the softmax of its in-window part, soft-capped first when soft_cap > 0; the
+ * scores before the window become 0. */
+static inline void softmax_rows(float *scores, int64_t rows, int64_t span, int64_t skip, float soft_cap)
 {
-    for (int64_t i = 0; i < rows; ++i) softmax_row_f32(scores + i * len, len);
+    for (int64_t i = 0; i < rows; ++i) {
+        float *row = scores + i * span;
+        if (soft_cap > 0.0f) {
+            const float inv = 1.0f / soft_cap;
+            for (int64_t j = skip; j < span; ++j) row[j] = soft_cap * tanhf(row[j] * inv);
+        }
+        softmax_row_f32(row + skip, span - skip);
+        for (int64_t j = 0; j < skip; ++j) row[j] = 0.0f;
+    }
 }
 
 /* Attend one sequence's query heads of KV heads [kv_begin, kv_end): scores for all of them are
@@ -37,10 +55,12 @@ static inline __attribute__((always_inline)) void decode_seq(
     const float *q, int64_t q_stride_head, const float *k_cache, const float *v_cache,
     const int32_t *table, int64_t len, float *out, int64_t out_stride_head,
     int64_t kv_begin, int64_t kv_end, int64_t group, const int64_t D, int64_t block_size,
-    int64_t row_stride, int64_t block_stride, float scale, float *scores, float *acc)
+    int64_t row_stride, int64_t block_stride, float scale, float *scores, float *acc, int64_t lo,
+    float soft_cap)
 {
     const int64_t h_begin = kv_begin * group, h_end = kv_end * group, nh = h_end - h_begin;
-    for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t base = lo / block_size * block_size, span = len - base;
+    for (int64_t start = base; start < len; start += block_size) {
         const int64_t block = table[start / block_size];
         const float *kb = k_cache + block * block_stride;
         const int64_t n = block_rows(start / block_size, len, block_size);
@@ -52,19 +72,19 @@ static inline __attribute__((always_inline)) void decode_seq(
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-                scores[(h - h_begin) * len + start + j] = dot * scale;
+                scores[(h - h_begin) * span + start - base + j] = dot * scale;
             }
         }
     }
-    softmax_rows(scores, nh, len);
+    softmax_rows(scores, nh, span, lo - base, soft_cap);
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
-    for (int64_t start = 0; start < len; start += block_size) {
+    for (int64_t start = base; start < len; start += block_size) {
         const float *vb = v_cache + (int64_t)table[start / block_size] * block_stride;
         const int64_t n = block_rows(start / block_size, len, block_size);
         for (int64_t j = 0; j < n; ++j) {
             const float *vr = vb + j * row_stride;
             for (int64_t h = h_begin; h < h_end; ++h) {
-                const float p = scores[(h - h_begin) * len + start + j];
+                const float p = scores[(h - h_begin) * span + start - base + j];
                 const float *vh = vr + (h / group) * D;
                 float *ah = acc + (h - h_begin) * D;
 #pragma omp simd
@@ -121,21 +141,24 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
     const float *q, int64_t q_stride_head, const float *k_cache, const float *v_cache,
     const int32_t *table, int64_t len, float *out, int64_t out_stride_head,
     int64_t kv_begin, int64_t kv_end, int64_t group, const int64_t D, int64_t block_size,
-    int64_t row_stride, int64_t block_stride, float scale, float *scores, float *acc)
+    int64_t row_stride, int64_t block_stride, float scale, float *scores, float *acc, int64_t lo,
+    float soft_cap)
 {
     enum { MAXV = 8 };                 /* head_dim / 16 at most */
     const int64_t NV = D / 16;
     const int64_t h_begin = kv_begin * group, h_end = kv_end * group, nh = h_end - h_begin;
     const int64_t width = (kv_end - kv_begin) * D; /* floats of a row this task reads */
     const int64_t nblocks = (len + block_size - 1) / block_size;
+    const int64_t b0 = lo / block_size, base = b0 * block_size, span = len - base;
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = b0; b < nblocks; ++b) {
         const int64_t start = b * block_size, n = block_rows(b, len, block_size);
         const float *kb = k_cache + (int64_t)table[b] * block_stride + kv_begin * D;
         /* The K block ahead (near the end, the first V blocks), a share of its rows per head so that
          * the prefetches spread over the block's work. */
         const float *next_cache = b + PREFETCH_BLOCKS < nblocks ? k_cache : v_cache;
-        const int64_t next = b + PREFETCH_BLOCKS < nblocks ? b + PREFETCH_BLOCKS : b + PREFETCH_BLOCKS - nblocks;
+        const int64_t next =
+            b + PREFETCH_BLOCKS < nblocks ? b + PREFETCH_BLOCKS : b0 + b + PREFETCH_BLOCKS - nblocks;
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t m = n - j0 < 16 ? n - j0 : 16;
             const __mmask16 mask = (__mmask16)((1u << m) - 1u);
@@ -158,16 +181,16 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
                         rows[j] = _mm512_setzero_ps();
                     }
                 }
-                _mm512_mask_storeu_ps(scores + (h - h_begin) * len + start + j0, mask,
+                _mm512_mask_storeu_ps(scores + (h - h_begin) * span + start - base + j0, mask,
                                       _mm512_mul_ps(sum16(rows), vscale));
             }
         }
     }
-    softmax_rows(scores, nh, len);
+    softmax_rows(scores, nh, span, lo - base, soft_cap);
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
     /* Heads per register tile: 16 accumulators at most. */
     const int64_t chunk = 16 / NV < group ? 16 / NV : group;
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = b0; b < nblocks; ++b) {
         const int64_t start = b * block_size, n = block_rows(b, len, block_size);
         const float *vb = v_cache + (int64_t)table[b] * block_stride + kv_begin * D;
         const int64_t ngroups = kv_end - kv_begin;
@@ -182,13 +205,13 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
                 for (int64_t i = 0; i < hc; ++i)
                     for (int64_t c = 0; c < NV; ++c) a[i * NV + c] = _mm512_loadu_ps(acc + (h0 + i - h_begin) * D + 16 * c);
                 const float *vh = vb + (g - kv_begin) * D;
-                const float *ph = scores + (h0 - h_begin) * len + start;
+                const float *ph = scores + (h0 - h_begin) * span + start - base;
                 for (int64_t j = 0; j < n; ++j) {
                     const float *vr = vh + j * row_stride;
                     __m512 vv[MAXV];
                     for (int64_t c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
                     for (int64_t i = 0; i < hc; ++i) {
-                        const __m512 p = _mm512_set1_ps(ph[i * len + j]);
+                        const __m512 p = _mm512_set1_ps(ph[i * span + j]);
                         for (int64_t c = 0; c < NV; ++c) a[i * NV + c] = _mm512_fmadd_ps(p, vv[c], a[i * NV + c]);
                     }
                 }
@@ -204,14 +227,16 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
 
 #define PARALLEL_MIN_BYTES (256 << 10)
 
-int paged_decode_attention_f32(
+/* Returns 0, or -1 when a score buffer could not be allocated. ``window`` <= 0: no window;
+ * ``soft_cap`` <= 0: no soft-capping. */
+int paged_decode_attention_window_f32(
     const float *q, int64_t q_stride_seq, int64_t q_stride_head,
     const float *k_cache, const float *v_cache,
     const int32_t *block_tables, int64_t table_stride,
     const int32_t *seq_lens,
     float *out, int64_t out_stride_seq, int64_t out_stride_head,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_seq_len, float scale)
+    int64_t block_size, int64_t max_seq_len, float scale, int64_t window, float soft_cap)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_stride = num_kv_heads * head_dim;
@@ -220,7 +245,7 @@ int paged_decode_attention_f32(
     const int64_t parts = num_seqs >= 4 * omp_get_max_threads() ? 1 : num_kv_heads;
     /* Waking the other threads costs tens of microseconds: only worth it past a few hundred KiB. */
     int64_t total_len = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) total_len += seq_lens[s];
+    for (int64_t s = 0; s < num_seqs; ++s) total_len += window > 0 && seq_lens[s] > window ? window : seq_lens[s];
     const int parallel = total_len * row_stride * 2 * (int64_t)sizeof(float) >= PARALLEL_MIN_BYTES;
     int failed = 0;
 #pragma omp parallel if (parallel)
@@ -241,8 +266,9 @@ int paged_decode_attention_f32(
             float *os = out + s * out_stride_seq;
             const int32_t *table = block_tables + s * table_stride;
             const int64_t len = seq_lens[s];
+            const int64_t lo = window > 0 && len > window ? len - window : 0;
 #define CALL(FN, DIM) FN(qs, q_stride_head, k_cache, v_cache, table, len, os, out_stride_head, kv_begin, \
-                             kv_end, group, DIM, block_size, row_stride, block_stride, scale, scores, acc)
+                             kv_end, group, DIM, block_size, row_stride, block_stride, scale, scores, acc, lo, soft_cap)
             switch (head_dim) {
 #if defined(__AVX512F__)
             case 64: CALL(decode_seq_avx512, 64); break;
@@ -259,4 +285,20 @@ int paged_decode_attention_f32(
         free(acc);
     }
     return failed ? -1 : 0;
+}
+
+/* Full causal attention without soft-capping (the native decode layers call this one). */
+int paged_decode_attention_f32(
+    const float *q, int64_t q_stride_seq, int64_t q_stride_head,
+    const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens,
+    float *out, int64_t out_stride_seq, int64_t out_stride_head,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_seq_len, float scale)
+{
+    return paged_decode_attention_window_f32(q, q_stride_seq, q_stride_head, k_cache, v_cache, block_tables,
+                                             table_stride, seq_lens, out, out_stride_seq, out_stride_head, num_seqs,
+                                             num_heads, num_kv_heads, head_dim, block_size, max_seq_len, scale, 0,
+                                             0.0f);
 }

@@ -18,7 +18,14 @@
  * loads of one step feed enough independent multiply-adds. Scores are kept whole per row (exact
  * softmax in two passes, as in the decode kernel), then the values are summed with the softmax
  * weights. head_dim must be a multiple of 16.
+ *
+ * Sliding window (paged_prefill_attention_window_f32, window > 0): query token at position p sees
+ * keys max(0, p - window + 1) .. p. A task copies keys from the start of the block holding its
+ * first query's first key (``kbase``) on, so blocks before it are never read (a KV cache manager
+ * may have released them); each row's scores before its own first key get weight 0. Soft-capping
+ * (soft_cap > 0) maps each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -81,14 +88,18 @@ static void prefill_task(
     const float *q, int64_t q_stride_tok, int64_t q_stride_head, const float *k_cache, const float *v_cache,
     const int32_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t i0, int64_t i1, int64_t g,
     float *out, int64_t out_stride_tok, int64_t out_stride_head, int64_t group, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *kt, float *vs, int64_t ldk, float *scores)
+    int64_t head_dim, int64_t block_size, float scale, float *kt, float *vs, int64_t ldk, float *scores,
+    int64_t window, float soft_cap)
 {
     const int64_t D = head_dim, NV = head_dim / 16, row_stride = num_kv_heads * head_dim;
     const int64_t context = seq_len - q_len; /* cached tokens before the chunk */
-    const int64_t nkeys = context + i1;      /* keys the last query token sees */
+    /* First key of the first query token, and the start of its block: local key index 0. */
+    const int64_t first_key = window > 0 && context + i0 + 1 > window ? context + i0 + 1 - window : 0;
+    const int64_t kbase = first_key / block_size * block_size;
+    const int64_t nkeys = context + i1 - kbase; /* local keys the last query token sees */
     const int64_t nkeys16 = (nkeys + 15) / 16 * 16;
     for (int64_t t0 = 0; t0 < nkeys; t0 += block_size) {
-        const int64_t base = (int64_t)table[t0 / block_size] * block_size * row_stride + g * D;
+        const int64_t base = (int64_t)table[(kbase + t0) / block_size] * block_size * row_stride + g * D;
         const int64_t n = nkeys - t0 < block_size ? nkeys - t0 : block_size;
         for (int64_t t = 0; t < n; ++t) {
             const float *k = k_cache + base + t * row_stride;
@@ -103,22 +114,28 @@ static void prefill_task(
     for (int64_t f0 = first; f0 < last; f0 += ROWS) {
         const float *qr[ROWS];
         float *dst[ROWS];
-        int64_t nr[ROWS]; /* keys row r sees */
+        int64_t nr[ROWS], lo[ROWS]; /* row r sees local keys lo[r] .. nr[r] - 1 */
         for (int r = 0; r < ROWS; ++r) {
             const int64_t f = f0 + r < last ? f0 + r : last - 1; /* past the end: repeat the last row */
             const int64_t i = f / group, h = g * group + f % group;
             qr[r] = q + (q_start + i) * q_stride_tok + h * q_stride_head;
             dst[r] = out + (q_start + i) * out_stride_tok + h * out_stride_head;
-            nr[r] = context + i + 1;
+            nr[r] = context + i + 1 - kbase;
+            lo[r] = window > 0 && context + i + 1 > window ? context + i + 1 - window - kbase : 0;
         }
         const int64_t nmax = nr[ROWS - 1], chunks = (nmax + 15) / 16;
         int64_t c = 0;
         for (; c + KEY_VECS <= chunks; c += KEY_VECS) score_chunks(KEY_VECS, qr, kt + c * 16, ldk, D, scale, scores + c * 16);
         for (; c < chunks; ++c) score_chunks(1, qr, kt + c * 16, ldk, D, scale, scores + c * 16);
-        /* Softmax weights of each row over its own keys, zero for the keys after them. */
+        /* Softmax weights of each row over its own keys, zero for the keys before and after them. */
         for (int r = 0; r < ROWS; ++r) {
             float *sr = scores + r * ldk;
-            softmax_row_f32(sr, nr[r]);
+            if (soft_cap > 0.0f) {
+                const float inv = 1.0f / soft_cap;
+                for (int64_t j = lo[r]; j < nr[r]; ++j) sr[j] = soft_cap * tanhf(sr[j] * inv);
+            }
+            softmax_row_f32(sr + lo[r], nr[r] - lo[r]);
+            for (int64_t j = 0; j < lo[r]; ++j) sr[j] = 0.0f;
             for (int64_t j = nr[r]; j < nmax; ++j) sr[j] = 0.0f;
         }
         int64_t v = 0;
@@ -128,12 +145,13 @@ static void prefill_task(
 }
 
 /* Returns 0; -1 when a scratch buffer could not be allocated, -2 when head_dim is not a multiple of
- * 16 (or over 256). */
-int paged_prefill_attention_f32(
+ * 16 (or over 256). ``window`` <= 0: no window; ``soft_cap`` <= 0: no soft-capping. */
+int paged_prefill_attention_window_f32(
     const float *q, int64_t q_stride_tok, int64_t q_stride_head, const float *k_cache, const float *v_cache,
     const int32_t *block_tables, int64_t table_stride, const int64_t *chunks, float *out, int64_t out_stride_tok,
     int64_t out_stride_head,
-    int64_t num_chunks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
+    int64_t num_chunks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+    int64_t window, float soft_cap)
 {
     if (head_dim % 16 != 0 || head_dim / 16 > MAX_VECS) return -2;
 #define TABLE_ROW(c) chunks[4 * (c)]
@@ -174,7 +192,7 @@ int paged_prefill_attention_f32(
             const int64_t i0 = qb * QUERY_BLOCK, i1 = i0 + QUERY_BLOCK < Q_LEN(c) ? i0 + QUERY_BLOCK : Q_LEN(c);
             prefill_task(q, q_stride_tok, q_stride_head, k_cache, v_cache, block_tables + TABLE_ROW(c) * table_stride,
                          Q_START(c), Q_LEN(c), SEQ_LEN(c), i0, i1, g, out, out_stride_tok, out_stride_head, group,
-                         num_kv_heads, head_dim, block_size, scale, kt, vs, ldk, scores);
+                         num_kv_heads, head_dim, block_size, scale, kt, vs, ldk, scores, window, soft_cap);
         }
         free(kt);
         free(vs);
@@ -182,4 +200,16 @@ int paged_prefill_attention_f32(
     }
     free(task_start);
     return failed ? -1 : 0;
+}
+
+/* Full causal attention without soft-capping. */
+int paged_prefill_attention_f32(
+    const float *q, int64_t q_stride_tok, int64_t q_stride_head, const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t table_stride, const int64_t *chunks, float *out, int64_t out_stride_tok,
+    int64_t out_stride_head,
+    int64_t num_chunks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
+{
+    return paged_prefill_attention_window_f32(q, q_stride_tok, q_stride_head, k_cache, v_cache, block_tables,
+                                              table_stride, chunks, out, out_stride_tok, out_stride_head, num_chunks,
+                                              num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0.0f);
 }

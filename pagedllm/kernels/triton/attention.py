@@ -12,6 +12,10 @@ Two kernels:
   The grid's third axis splits the context into ``NUM_SPLITS`` contiguous ranges (split-K, as in
   flash-decoding); with more than one split every program writes a partial result and its
   log-sum-exp, and ``_merge_splits_kernel`` combines them.
+  A sliding window (``SLIDING_WINDOW`` > 0, a compile-time constant per layer) starts the walk at
+  the tile holding the first key any row of the program sees, and masks the loads of positions
+  before it, so blocks wholly before the window are never read. Logit soft-capping
+  (``USE_SOFT_CAP``) maps scaled scores to ``cap * tanh(score / cap)`` before the softmax.
 * ``_merge_splits_kernel`` merges the per-split partial outputs of each (token, head).
 
 The KV write is in :mod:`pagedllm.kernels.triton.kv_write`. All kernels take element strides, so
@@ -51,6 +55,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     qk_scale,  # softmax scale * log2(e)
+    soft_cap,  # logit soft cap * log2(e) (read when USE_SOFT_CAP)
     num_seqs,
     num_heads,
     stride_q_tok,
@@ -74,6 +79,8 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0,
+    USE_SOFT_CAP: tl.constexpr = False,
 ):
     """Grid ``(num_q_programs, num_kv_heads, NUM_SPLITS)``.
 
@@ -129,11 +136,16 @@ def _paged_attention_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # Positions [0, kv_end) are visible to at least one row of the tile.
+    # Positions [kv_start, kv_end) are visible to at least one row of the tile.
     kv_end = context_len + tl.minimum((q_tile_local + 1) * BLOCK_Q, q_len)
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(context_len + q_tile_local * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    else:
+        kv_start = 0
+    first_tile = kv_start // TILE_N
     num_tiles = (kv_end + TILE_N - 1) // TILE_N
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    tile_lo = split * tiles_per_split
+    tiles_per_split = (num_tiles - first_tile + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -145,7 +157,7 @@ def _paged_attention_kernel(
 
     for t in range(tile_lo, tile_hi):
         pos = t * TILE_N + tl.arange(0, TILE_N)
-        pos_valid = pos < kv_end
+        pos_valid = (pos < kv_end) & (pos >= kv_start)
         block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         in_block = pos % BLOCK_SIZE
         k = tl.load(
@@ -166,7 +178,13 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
+        if USE_SOFT_CAP:
+            # cap * tanh(x / cap) in the log2 domain (s = x log2(e), soft_cap = cap log2(e)), with
+            # tanh(y) = 1 - 2 / (e^(2y) + 1) and e^(2y) = 2^(2y log2(e)).
+            s = soft_cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
         visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -328,12 +346,20 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     config: AttentionLaunchConfig | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the paged caches.
 
     Without ``out``, rows of ``query`` past ``query_start_loc[-1]`` (batch padding) come back as
-    zeros; a given ``out`` keeps whatever those rows held.
+    zeros; a given ``out`` keeps whatever those rows held. ``sliding_window``: a query at position p
+    sees keys ``p - sliding_window + 1 .. p`` (blocks wholly before that are not read);
+    ``soft_cap``: scores become ``soft_cap * tanh(score / soft_cap)`` before the softmax.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {sliding_window}.")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"logits soft cap must be positive, got {soft_cap}.")
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -384,6 +410,7 @@ def paged_attention(
         meta.seq_lens,
         meta.query_start_loc,
         scale * LOG2E,
+        (soft_cap or 1.0) * LOG2E,
         meta.num_seqs,
         num_heads,
         query.stride(0),
@@ -407,6 +434,8 @@ def paged_attention(
         DECODE_ONLY=decode_only,
         IEEE_DOT=k_cache.dtype == torch.float32,
         UPCAST_DOT=is_interpreted(_paged_attention_kernel, device),
+        SLIDING_WINDOW=sliding_window or 0,
+        USE_SOFT_CAP=soft_cap is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
