@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagedllm.utils import cache_root
@@ -101,21 +101,42 @@ def packaged_model_name(path: str) -> str | None:
     return GEMMA3_270M_NAME if os.path.basename(path) == GEMMA3_270M_FILE else None
 
 
-def assemble_once(parts: Sequence[Path], filename: str, sha256: str) -> Path:
-    """The concatenation of ``parts`` as ``filename`` under the cache; returns the file.
-
-    Built into a temporary directory beside its entry, checked against ``sha256`` (ValueError when it
-    differs; nothing is published), then renamed into place.
-    """
-    stats = [f"{p}\0{p.stat().st_size}\0{p.stat().st_mtime_ns}" for p in parts]
-    key = hashlib.sha256("\0".join([*stats, sha256]).encode()).hexdigest()[:24]
+def _publish_once(key: str, name: str, build: Callable[[str], None]) -> Path:
+    """``<cache root>/models/<key>/<name>``, made once: ``build(tmp)`` writes ``name`` into a temporary
+    directory beside the entry, which is then renamed into place, so concurrent processes never see a
+    half-written entry (a process that loses the race keeps the winner's). When ``build`` raises,
+    nothing is published."""
     entry = cache_root() / "models" / key
-    target = entry / filename
-    if target.is_file():
+    target = entry / name
+    if target.exists():
         return target
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=entry.parent)
     try:
+        build(tmp)
+        try:
+            os.rename(tmp, entry)
+            tmp = ""
+            logger.info("Published %s", target)
+        except OSError:
+            if not target.exists():  # not another process's entry: a real failure
+                raise
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def assemble_once(parts: Sequence[Path], filename: str, sha256: str) -> Path:
+    """The concatenation of ``parts`` as ``filename`` under the cache; returns the file.
+
+    Checked against ``sha256`` before it is published (ValueError when it differs; nothing is
+    published).
+    """
+    stats = [f"{p}\0{p.stat().st_size}\0{p.stat().st_mtime_ns}" for p in parts]
+    key = hashlib.sha256("\0".join([*stats, sha256]).encode()).hexdigest()[:24]
+
+    def build(tmp: str) -> None:
         digest = hashlib.sha256()
         with open(os.path.join(tmp, filename), "wb") as out:
             for part in parts:
@@ -127,30 +148,16 @@ def assemble_once(parts: Sequence[Path], filename: str, sha256: str) -> Path:
             raise ValueError(
                 f"{filename} assembled from {len(parts)} parts has sha256 {digest.hexdigest()}, not {sha256}."
             )
-        try:
-            os.rename(tmp, entry)
-            tmp = ""
-            logger.info("Assembled %s at %s", filename, target)
-        except OSError:
-            if not target.is_file():  # not another process's entry: a real failure
-                raise
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return _publish_once(key, filename, build)
 
 
 def extract_once(archive: str, folder: str) -> Path:
     """``archive`` (a zip of a model folder's files) extracted under the cache; returns the folder."""
     st = os.stat(archive)
     key = hashlib.sha256(f"{archive}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    entry = cache_root() / "models" / key
-    target = entry / folder
-    if target.is_dir():
-        return target
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=entry.parent)
-    try:
+
+    def build(tmp: str) -> None:
         with zipfile.ZipFile(archive) as zf:
             for name in zf.namelist():
                 # Only plain relative paths: never write outside the folder.
@@ -158,14 +165,5 @@ def extract_once(archive: str, folder: str) -> Path:
                 if Path(name).is_absolute() or ".." in parts:
                     raise ValueError(f"{archive} holds an unsafe path {name!r}.")
             zf.extractall(os.path.join(tmp, folder))
-        try:
-            os.rename(tmp, entry)
-            tmp = ""
-            logger.info("Extracted %s to %s", archive, target)
-        except OSError:
-            if not target.is_dir():  # not another process's entry: a real failure
-                raise
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return _publish_once(key, folder, build)
