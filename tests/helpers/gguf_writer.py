@@ -3,6 +3,8 @@ tiny HF checkpoints, with float or quantized tensors."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import gguf
 import numpy as np
 import torch
@@ -51,6 +53,20 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_shape_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    """The ``{arch}.*`` shape keys llama.cpp's converter writes, from a config with Hugging Face's
+    attribute names (a :class:`ModelConfig` or a transformers config)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def write_tiny_gguf(
     path: str,
     arch: str,
@@ -65,15 +81,7 @@ def write_tiny_gguf(
     values where gguf's NumPy quantizer can (Q4_0, Q4_1, Q5_0, Q8_0, ...), random valid blocks for the
     K types (whose values then replace the given ones in the returned weights)."""
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_shape_metadata(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     writer.add_bos_token_id(1)

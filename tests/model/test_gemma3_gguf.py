@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.gguf_writer import add_shape_metadata
 from helpers.reference import assert_greedy_close
 from pagedllm import LLM, SamplingParams
 from pagedllm.model import packaged
@@ -206,15 +207,7 @@ def write_gemma_gguf(path: str, arch: str, hf: Any) -> None:
 
     cfg = hf.config
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_shape_metadata(writer, cfg)
     writer.add_rope_freq_base(
         cfg.rope_parameters["full_attention"]["rope_theta"] if arch == "gemma3" else 10000.0
     )
