@@ -8,11 +8,12 @@ Layers listed in ``mlp_only_layers``, or skipped by ``decoder_sparse_step``, kee
 
 Expert weights are stacked per layer: ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up
 rows) and ``experts.down_proj`` ``[E, H, I]``, the layout of transformers' fused experts. The expert
-products run with no per-token Python loop (:func:`fused_experts`): on CUDA the Triton grouped GEMM of
-:mod:`pagedllm.kernels.triton.fused_moe`, on the CPU in float32 the native grouped product of
-:mod:`pagedllm.kernels.cpu.moe` for decode-sized batches, elsewhere (and for prompt chunks on the
-CPU, see :data:`BLAS_PAIRS_PER_EXPERT`) :func:`experts_torch` (tokens sorted by expert, one matrix
-product per expert that received tokens).
+products run with no per-token Python loop: on CUDA the Triton grouped GEMM of
+:mod:`pagedllm.kernels.triton.fused_moe` (:func:`fused_experts`); on the CPU in float32 the native
+grouped product of :mod:`pagedllm.kernels.cpu.moe`, over expert weights packed once into the panel
+layout of the dense layers (:func:`pack_cpu_experts`, which releases the stacked tensors);
+elsewhere :func:`experts_torch` (tokens sorted by expert, one matrix product per expert that
+received tokens).
 
 Checkpoints name experts one by one (Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen
 ``mlp.experts.{e}.gate_proj/up_proj/down_proj``) or fused (``mlp.experts.gate_up_proj`` /
@@ -31,12 +32,6 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import silu_and_mul
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.moe_config import MoeConfig
-
-# On the CPU, batches with at least this many token/expert pairs per expert on average (prompt
-# chunks) run one BLAS product per expert (:func:`experts_torch`), which beats the native kernel's
-# dot-product tiles there (1.4x at 64 pairs per expert on Mixtral-shaped experts); decode-sized
-# batches, where reading the weights is the cost, run the native kernel.
-BLAS_PAIRS_PER_EXPERT = 32
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,29 +88,49 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`experts_torch`'s result through the fastest kernel for ``x``'s device and dtype (on meta
-    tensors, the Triton path, which compiles for a GPU inside ``triton_aot.compile_for``)."""
+    """:func:`experts_torch`'s result through the Triton grouped GEMM on CUDA (and on meta tensors,
+    which compile it for a GPU inside ``triton_aot.compile_for``), else :func:`experts_torch` itself
+    (CPU experts take the native kernel once packed: :meth:`Experts.pack_for_cpu`)."""
     if x.device.type in ("cuda", "meta"):
         from pagedllm.kernels.triton import fused_moe  # needs triton, only imported on a GPU
 
         if fused_moe.available():
             return fused_moe.fused_experts(x, gate_up, down, topk_weights, topk_ids)
-    if cpu_moe.usable(x, gate_up, down) and topk_ids.numel() < BLAS_PAIRS_PER_EXPERT * gate_up.shape[0]:
-        return cpu_moe.moe_experts(x, gate_up, down, topk_weights, topk_ids)
     return experts_torch(x, gate_up, down, topk_weights, topk_ids)
 
 
 class Experts(nn.Module):
     """The stacked expert weights of one sparse layer: ``gate_up_proj`` ``[E, 2I, H]`` and
-    ``down_proj`` ``[E, H, I]``."""
+    ``down_proj`` ``[E, H, I]``; after :meth:`pack_for_cpu`, the same weights as the native kernel's
+    panels (buffers ``gate_up_panels`` / ``down_panels``) and the two parameters emptied."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.packed: cpu_moe.ExpertPanels | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Move float32 CPU experts into the native kernel's panel layout (the original tensors are
+        released); returns whether they are packed. Other dtypes and devices are left as they are."""
+        if self.packed is None and cpu_moe.usable(self.gate_up_proj, self.down_proj):
+            packed = cpu_moe.pack_experts(self.gate_up_proj.data, self.down_proj.data)
+            self.register_buffer("gate_up_panels", packed.gate_up, persistent=False)
+            self.register_buffer("down_panels", packed.down, persistent=False)
+            self.gate_up_proj.data = torch.empty(0)
+            self.down_proj.data = torch.empty(0)
+            self.packed = packed
+        return self.packed is not None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_moe.moe_experts_packed(x, self.packed, topk_weights, topk_ids)
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+
+def pack_cpu_experts(model: nn.Module) -> int:
+    """:meth:`Experts.pack_for_cpu` on every expert set of ``model``; returns how many are packed."""
+    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Experts))
 
 
 class GatedMLP(nn.Module):

@@ -19,6 +19,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext
+from pagedllm.model.moe import pack_cpu_experts
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.quantization import install_gguf_blocks, quantize_float_linears
 from pagedllm.model.registry import model_class
@@ -125,6 +126,8 @@ class ModelRunner:
             )
         if device.type == "cpu":
             logger.info("CPU linear layers: %s weights", optimize_cpu_linears(self.model))
+            if packed := pack_cpu_experts(self.model):
+                logger.info("CPU experts: %d sparse layers in panel form", packed)
             keep_freed_memory()
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None

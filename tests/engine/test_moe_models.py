@@ -100,13 +100,13 @@ def test_moe_matches_hf_native_experts(
     if not cpu_moe.usable(torch.zeros(1)):
         pytest.skip("native CPU kernels unavailable")
     calls = []
-    native = cpu_moe.moe_experts
+    native = cpu_moe.moe_experts_packed
 
     def counting(*args: Any) -> torch.Tensor:
         calls.append(1)
         return native(*args)
 
-    monkeypatch.setattr(cpu_moe, "moe_experts", counting)
+    monkeypatch.setattr(cpu_moe, "moe_experts_packed", counting)
     entry = tiny_moe(name)
     llm = _small_engine(entry[0], backend)
     _check_against_hf(llm, entry, f"{name} {backend}")

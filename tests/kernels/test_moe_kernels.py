@@ -1,5 +1,5 @@
-"""Mixture-of-experts expert products (native CPU kernel, torch fallback, Triton grouped GEMM under
-the interpreter) and routing, against a per-expert float64 reference."""
+"""Mixture-of-experts expert products (native CPU kernel on panel-packed experts, torch fallback,
+Triton grouped GEMM under the interpreter) and routing, against a per-expert float64 reference."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from pagedllm.kernels.cpu import moe as cpu_moe  # noqa: E402
-from pagedllm.model.moe import experts_torch, fused_experts, route  # noqa: E402
+from pagedllm.model.moe import experts_torch, route  # noqa: E402
 
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -122,6 +122,16 @@ def test_native_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(alone[0], full[t])
 
 
+def test_native_prompt_chunk_spans_several_cache_chunks() -> None:
+    """An expert with more packed rows than the kernel keeps in cache per pass (1 MiB) runs its
+    rows in several chunks over the same panels; the result is still the reference's."""
+    x, gate_up, down, weights, ids = make_case(600, 1024, 256, 2, 2)
+    expected = experts_torch(x.double(), gate_up.double(), down.double(), weights.double(), ids)
+    torch.testing.assert_close(
+        native(x, gate_up, down, weights, ids).double(), expected, rtol=1e-5, atol=1e-5
+    )
+
+
 def test_native_rejects_bad_expert_ids() -> None:
     x, gate_up, down, weights, ids = make_case(4, 32, 16, 4, 2)
     ids[2, 1] = 4
@@ -129,34 +139,43 @@ def test_native_rejects_bad_expert_ids() -> None:
         native(x, gate_up, down, weights, ids)
 
 
-def test_fused_experts_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 CPU tensors take the native kernel for decode-sized batches and one BLAS product per
-    expert for prompt-sized ones; other dtypes, and builds without the kernels, the torch path."""
-    import pagedllm.model.moe as moe_module
+def test_cpu_experts_pack_once_and_take_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpacked experts take the torch path; float32 CPU experts packed by ``pack_for_cpu`` release
+    their stacked tensors and run the native kernel for decode rows and prompt chunks alike; other
+    dtypes are not packed."""
+    from pagedllm.model.moe import Experts
 
-    native_calls: list[int] = []
-    native_kernel = cpu_moe.moe_experts
+    x, gate_up, down, weights, ids = make_case(200, 32, 16, 4, 2)
+    experts = Experts(4, 32, 16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    half = Experts(4, 32, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        half.gate_up_proj.copy_(gate_up)
+        half.down_proj.copy_(down)
+    expected = reference(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(experts(x, weights, ids).double(), expected, rtol=1e-5, atol=1e-5)
+    assert not half.pack_for_cpu()
+    out = half(x.bfloat16(), weights, ids)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=0.05, atol=0.05)
+    if not cpu_moe.usable(x):
+        pytest.skip("native CPU kernels unavailable")
+    calls: list[int] = []
+    kernel = cpu_moe.moe_experts_packed
 
-    def spy(*args: torch.Tensor) -> torch.Tensor:
-        native_calls.append(args[0].shape[0])
-        return native_kernel(*args)
+    def spy(rows: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return kernel(rows, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_moe, "moe_experts", spy)
-    experts = 4
-    small = make_case(5, 32, 16, experts, 2)
-    large_tokens = moe_module.BLAS_PAIRS_PER_EXPERT * experts // 2  # 32 pairs per expert on average
-    large = make_case(large_tokens, 32, 16, experts, 2)
-    for case in (small, large):
-        torch.testing.assert_close(fused_experts(*case).double(), reference(*case), rtol=1e-5, atol=1e-5)
-    assert native_calls == ([5] if cpu_moe.usable(small[0]) else [])
-    x, gate_up, down, weights, ids = small
-    half = fused_experts(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), weights, ids)
-    assert half.dtype == torch.bfloat16 and native_calls in ([5], [])
-    torch.testing.assert_close(half.double(), reference(*small), rtol=0.05, atol=0.05)
-    monkeypatch.setattr(cpu_moe, "usable", lambda *tensors: False)
-    fallback = fused_experts(*small).double()
-    torch.testing.assert_close(fallback, reference(*small), rtol=1e-5, atol=1e-5)
-    assert len(native_calls) <= 1
+    monkeypatch.setattr(cpu_moe, "moe_experts_packed", spy)
+    assert experts.pack_for_cpu() and experts.pack_for_cpu()  # packing twice is a no-op
+    assert experts.gate_up_proj.numel() == 0 and experts.down_proj.numel() == 0
+    for rows in (1, 5, 200):
+        actual = experts(x[:rows], weights[:rows], ids[:rows]).double()
+        torch.testing.assert_close(actual, expected[:rows], rtol=1e-5, atol=1e-5)
+    assert calls == [1, 5, 200]
 
 
 def test_triton_bfloat16_matches_reference() -> None:

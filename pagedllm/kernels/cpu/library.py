@@ -65,7 +65,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "quant_dequantize_f32": [_I64, _PTR, _I64, _I64, _I64, _PTR],
     "quant_gather_rows_f32": [_I64, _PTR, _PTR, _I64, _I64, _PTR],
     "quant_kernel_isa": [],
-    "moe_experts_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64] + [_PTR] * 7,
+    "moe_expert_panel_floats": [_I64, _I64, _I64],
+    "moe_experts_panels_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64] + [_PTR] * 8,
 }
 _RETURNS: dict[str, Any] = {
     "paged_decode_attention_f32": ctypes.c_int,
@@ -78,7 +79,8 @@ _RETURNS: dict[str, Any] = {
     "quant_dequantize_f32": ctypes.c_int64,
     "quant_gather_rows_f32": ctypes.c_int64,
     "quant_kernel_isa": ctypes.c_int64,
-    "moe_experts_f32": ctypes.c_int,
+    "moe_expert_panel_floats": ctypes.c_int64,
+    "moe_experts_panels_f32": ctypes.c_int,
 }
 
 

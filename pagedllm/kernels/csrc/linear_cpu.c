@@ -133,6 +133,20 @@ static void tile_rows(int rows, const float *xp, const float *panel, int64_t k, 
     }
 }
 
+/* For other kernels that keep weights as panels (the mixture-of-experts products in moe_cpu.c): the
+ * most rows one tile takes, and one tile of ``rows`` (1..MR_MAX) rows packed k-major as
+ * ``xp[kk * rows + r]`` times one panel, no bias, with ``npf`` lines of ``pf`` prefetched. */
+int64_t panel_tile_max_rows(void)
+{
+    return MR_MAX;
+}
+
+void panel_tile_f32(int rows, const float *xp, const float *panel, int64_t k, float *out, int64_t ldo, int ncols,
+                    const float *pf, int64_t npf)
+{
+    tile_rows(rows, xp, panel, k, NULL, out, ldo, ncols, pf, npf);
+}
+
 /* out[m, n] (row stride ldo) = x[m, k] (row stride ldx) @ weight^T (+ bias[n]), weight as panels.
  * Returns 0, or -1 when the packed rows could not be allocated. */
 int panel_linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *out,

@@ -4,195 +4,194 @@
  * Each token t has K (expert, weight) pairs. The pairs are sorted by expert (a counting sort, stable,
  * so within an expert they keep token order); then, for every expert that received pairs,
  *     h = x[rows] @ gate_up[e]^T            [n_e, 2I]
- *     a = silu(h[:, :I]) * h[:, I:]         (in place, over the gate half of h)
+ *     a = silu(h[:, :I]) * h[:, I:]
  *     y = a @ down[e]^T                     [n_e, H]
  * and finally out[t] = sum_j weight[t, j] * y[pair (t, j)], summed in j order.
  *
- * The weights stay in transformers' row-major layout (gate_up [E, 2I, H], down [E, H, I]): an output
- * element is a dot product of a token row with a weight row. Work items are (expert, block of 32
- * weight rows); a thread takes a block, keeps it in cache and runs every token row of that expert
- * over it, four rows at a time against two weight rows (eight vector accumulators), so each weight
- * row is read from memory once per call. Items are spread over the OpenMP threads dynamically
- * (experts receive very different numbers of tokens). Every output element is the dot product summed
- * in the same order whatever the batch, so a token's result does not depend on the other tokens.
+ * The expert weights are held in the panel layout of the dense layers (linear_cpu.c), one expert
+ * after another: gate_up as the panels of a [2I, H] weight, down as those of an [H, I] weight. Each
+ * expert's rows are cut into tiles of at most panel_tile_max_rows() rows (balanced sizes, never
+ * spanning two experts) and packed k-major, so one tile times one panel is linear_cpu.c's register
+ * tile. Work items are (expert, panel): a thread takes a contiguous run of them, weighted by the rows
+ * each multiplies plus a fixed share for reading the panel (so a prompt's crowded experts and a
+ * decode step's thin ones both split evenly), runs every tile of the expert over the panel while the
+ * panel is in cache, and prefetches the expert's next panel meanwhile. In a decode step every expert
+ * panel that received a token streams from memory once, overlapped with the arithmetic; in a prompt
+ * chunk the same tiles run at the register tile's arithmetic rate. Every output element is a sum over
+ * k in order 0..k-1 whatever the batch, so a token's result does not depend on the other tokens.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define NR 32 /* panel width, as in linear_cpu.c */
+#define CHUNK_FLOATS (1 << 18) /* packed rows kept in cache per pass over the panels (1 MiB) */
 
-#define ROWS_PER_BLOCK 32 /* weight rows (outputs) per work item */
+/* linear_cpu.c */
+int64_t panel_tile_max_rows(void);
+void panel_tile_f32(int rows, const float *xp, const float *panel, int64_t k, float *out, int64_t ldo, int ncols,
+                    const float *pf, int64_t npf);
 
-static inline float hsum(v16 v)
+/* Tiles of the sorted pairs: tile i covers sorted rows [r0[i], r1[i]) of one expert; the tiles of
+ * expert e are [first[e], first[e + 1]). */
+typedef struct {
+    int64_t *r0, *r1, *first;
+} Tiles;
+
+/* The rows of tile i (length k each; ``src`` maps a sorted row to its input row, or NULL for the row
+ * itself) packed k-major at xp + r0 * k. With ``gated``, the input row is [gate | up] of width 2k and
+ * the packed value is silu(gate) * up. */
+static void pack_tile(const float *in, int64_t ldi, const int64_t *src, int64_t r0, int64_t r1, int64_t k, int gated,
+                      float *xp)
 {
-    float s = 0.0f;
-    for (int i = 0; i < 16; ++i) s += v[i];
-    return s;
+    const int64_t mr = r1 - r0;
+    float *dst = xp + r0 * k;
+    for (int64_t r = 0; r < mr; ++r) {
+        const float *row = in + (src ? src[r0 + r] : r0 + r) * ldi;
+        if (gated) {
+            for (int64_t kk = 0; kk < k; ++kk) {
+                const float g = row[kk];
+                dst[kk * mr + r] = g / (1.0f + expf(-g)) * row[k + kk];
+            }
+        } else {
+            for (int64_t kk = 0; kk < k; ++kk) dst[kk * mr + r] = row[kk];
+        }
+    }
 }
 
-/* For MR token rows ``xr[r]`` (length k) and weight rows [n0, n1) of ``w`` ([*, k] row-major):
- * out_r[n] = dot(xr[r], w[n]). */
-static inline __attribute__((always_inline)) void dot_rows(
-    const int MR, const float *const *xr, float *const *outr, const float *restrict w, int64_t k, int64_t n0,
-    int64_t n1)
+/* One product phase, called by every thread of a parallel region: for each expert e that received
+ * rows, out[rows of e, :n] = xp(rows of e) @ weight_e^T with weight_e the panels at
+ * ``panels + e * expert_floats`` of an [n, k] weight. Thread ``t`` of ``nt`` runs its share of the
+ * (expert, panel) items in order. */
+static void product_phase(const Tiles *tiles, const int64_t *offsets, int64_t E, const float *xp,
+                          const float *panels, int64_t expert_floats, int64_t n, int64_t k, float *out, int64_t ldo,
+                          int64_t t, int64_t nt)
 {
-    const int64_t kv = k / 16 * 16;
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) {
-        const float *w0 = w + n * k, *w1 = w0 + k;
-        v16 acc0[4], acc1[4];
-        for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = (v16){0};
-        for (int64_t kk = 0; kk < kv; kk += 16) {
-            const v16 b0 = *(const v16 *)(w0 + kk), b1 = *(const v16 *)(w1 + kk);
-            for (int r = 0; r < MR; ++r) {
-                const v16 a = *(const v16 *)(xr[r] + kk);
-                acc0[r] += a * b0;
-                acc1[r] += a * b1;
+    const int64_t num_panels = (n + NR - 1) / NR, lines = k * NR / 16;
+    const int64_t read_cost = 4; /* reading a panel, in rows' worth of work */
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; ++e)
+        if (offsets[e + 1] > offsets[e]) total += num_panels * (offsets[e + 1] - offsets[e] + read_cost);
+    /* Item (e, j) starts at cost base_e + j * cost_e; this thread runs those starting in [lo, hi). */
+    const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
+    int64_t base = 0;
+    for (int64_t e = 0; e < E && base < hi; ++e) {
+        const int64_t rows = offsets[e + 1] - offsets[e];
+        if (rows == 0) continue;
+        const int64_t cost = rows + read_cost, end = base + num_panels * cost;
+        if (end > lo) {
+            const int64_t j0 = lo > base ? (lo - base + cost - 1) / cost : 0;
+            const int64_t j1 = hi < end ? (hi - base + cost - 1) / cost : num_panels;
+            const float *expert = panels + e * expert_floats;
+            /* The expert's tiles in chunks of about CHUNK_FLOATS packed floats, each chunk kept in
+             * cache while this thread's panels of the expert pass over it. */
+            for (int64_t c0 = tiles->first[e], t1 = tiles->first[e + 1]; c0 < t1;) {
+                int64_t c1 = c0 + 1;
+                while (c1 < t1 && (tiles->r1[c1] - tiles->r0[c0]) * k <= CHUNK_FLOATS) ++c1;
+                const int64_t nts = c1 - c0;
+                for (int64_t j = j0; j < j1; ++j) {
+                    const float *panel = expert + j * k * NR;
+                    /* Prefetched meanwhile: this chunk's next panel, or the first for the next chunk. */
+                    const float *next = j + 1 < j1 ? panel + k * NR : c1 < t1 ? expert + j0 * k * NR : NULL;
+                    const int ncols = (int)(n - j * NR < NR ? n - j * NR : NR);
+                    for (int64_t i = c0; i < c1; ++i) {
+                        const int64_t r0 = tiles->r0[i], s0 = lines * (i - c0) / nts, s1 = lines * (i - c0 + 1) / nts;
+                        panel_tile_f32((int)(tiles->r1[i] - r0), xp + r0 * k, panel, k, out + r0 * ldo + j * NR,
+                                       ldo, ncols, next ? next + s0 * 16 : NULL, next ? s1 - s0 : 0);
+                    }
+                }
+                c0 = c1;
             }
         }
-        for (int r = 0; r < MR; ++r) {
-            float s0 = hsum(acc0[r]), s1 = hsum(acc1[r]);
-            for (int64_t kk = kv; kk < k; ++kk) {
-                s0 += xr[r][kk] * w0[kk];
-                s1 += xr[r][kk] * w1[kk];
-            }
-            outr[r][n] = s0;
-            outr[r][n + 1] = s1;
-        }
-    }
-    for (; n < n1; ++n) {
-        const float *w0 = w + n * k;
-        v16 acc0[4];
-        for (int r = 0; r < MR; ++r) acc0[r] = (v16){0};
-        for (int64_t kk = 0; kk < kv; kk += 16) {
-            const v16 b0 = *(const v16 *)(w0 + kk);
-            for (int r = 0; r < MR; ++r) acc0[r] += *(const v16 *)(xr[r] + kk) * b0;
-        }
-        for (int r = 0; r < MR; ++r) {
-            float s0 = hsum(acc0[r]);
-            for (int64_t kk = kv; kk < k; ++kk) s0 += xr[r][kk] * w0[kk];
-            outr[r][n] = s0;
-        }
+        base = end;
     }
 }
 
-static void dot_rows_any(int mr, const float *const *xr, float *const *outr, const float *w, int64_t k, int64_t n0,
-                         int64_t n1)
+/* Floats of one expert's panels: gate_up ([2I, H]) when ``which`` is 0, down ([H, I]) when 1. */
+int64_t moe_expert_panel_floats(int64_t H, int64_t I, int64_t which)
 {
-    switch (mr) {
-        case 1: dot_rows(1, xr, outr, w, k, n0, n1); break;
-        case 2: dot_rows(2, xr, outr, w, k, n0, n1); break;
-        case 3: dot_rows(3, xr, outr, w, k, n0, n1); break;
-        default: dot_rows(4, xr, outr, w, k, n0, n1); break;
-    }
-}
-
-/* One work item: rows [p0, p1) of the sorted pairs times weight rows [n0, n1) of ``w`` [*, k].
- * Row p's input is ``in + src[p] * ldi`` (``src`` NULL: row p itself), its output ``out + p * ldo``. */
-static void product_block(const float *in, int64_t ldi, const int64_t *src, int64_t p0, int64_t p1, const float *w,
-                          int64_t k, int64_t n0, int64_t n1, float *out, int64_t ldo)
-{
-    for (int64_t p = p0; p < p1; p += 4) {
-        const int mr = (int)(p1 - p < 4 ? p1 - p : 4);
-        const float *xr[4];
-        float *outr[4];
-        for (int r = 0; r < mr; ++r) {
-            const int64_t row = src ? src[p + r] : p + r;
-            xr[r] = in + row * ldi;
-            outr[r] = out + (p + r) * ldo;
-        }
-        dot_rows_any(mr, xr, outr, w, k, n0, n1);
-    }
+    return which == 0 ? (2 * I + NR - 1) / NR * NR * H : (H + NR - 1) / NR * NR * I;
 }
 
 /*
  * out[T, H] = the mixture of experts of x[T, H] (row stride ldx), see the top of the file.
- * ids / weights: [T, K] (int64 expert ids in [0, E), float32 weights). gate_up [E, 2I, H], down
- * [E, H, I], contiguous. ``h`` is scratch of T*K*2I floats, ``y`` of T*K*H floats.
- * Returns 0, -1 when scratch indices could not be allocated, -2 for an expert id out of range.
+ * ids / weights: [T, K] (int64 expert ids in [0, E), float32 weights). gate_up / down: E experts'
+ * panels, moe_expert_panel_floats(H, I, 0 / 1) floats each. Scratch: ``h`` T*K*2I floats, ``y``
+ * T*K*H, ``xp`` T*K*max(H, I).
+ * Returns 0, -1 when the index arrays could not be allocated, -2 for an expert id out of range.
  */
-int moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t H, int64_t I, int64_t E, int64_t K,
-                    const int64_t *ids, const float *weights, const float *gate_up, const float *down, float *h,
-                    float *y, float *out)
+int moe_experts_panels_f32(const float *x, int64_t ldx, int64_t T, int64_t H, int64_t I, int64_t E, int64_t K,
+                           const int64_t *ids, const float *weights, const float *gate_up, const float *down,
+                           float *h, float *y, float *xp, float *out)
 {
     const int64_t P = T * K;
     if (P == 0) return 0;
     for (int64_t p = 0; p < P; ++p)
         if (ids[p] < 0 || ids[p] >= E) return -2;
+    const int64_t mr_max = panel_tile_max_rows();
     int64_t *offsets = calloc((size_t)(E + 1), sizeof(int64_t));
+    int64_t *fill = malloc(sizeof(int64_t) * (size_t)E);
     int64_t *token = malloc(sizeof(int64_t) * (size_t)P); /* sorted pair -> token row */
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)P);  /* pair t*K+j -> sorted position */
-    if (!offsets || !token || !slot) {
-        free(offsets);
-        free(token);
-        free(slot);
-        return -1;
+    Tiles tiles = {malloc(sizeof(int64_t) * (size_t)(P + E)), malloc(sizeof(int64_t) * (size_t)(P + E)),
+                   malloc(sizeof(int64_t) * (size_t)(E + 1))};
+    int rc = 0;
+    if (!offsets || !fill || !token || !slot || !tiles.r0 || !tiles.r1 || !tiles.first) {
+        rc = -1;
+        goto done;
     }
     for (int64_t p = 0; p < P; ++p) ++offsets[ids[p] + 1];
     for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-    {
-        int64_t *fill = malloc(sizeof(int64_t) * (size_t)E);
-        if (!fill) {
-            free(offsets);
-            free(token);
-            free(slot);
-            return -1;
-        }
-        for (int64_t e = 0; e < E; ++e) fill[e] = offsets[e];
-        for (int64_t p = 0; p < P; ++p) {
-            const int64_t s = fill[ids[p]]++;
-            token[s] = p / K;
-            slot[p] = s;
-        }
-        free(fill);
+    for (int64_t e = 0; e < E; ++e) fill[e] = offsets[e];
+    for (int64_t p = 0; p < P; ++p) {
+        const int64_t s = fill[ids[p]]++;
+        token[s] = p / K;
+        slot[p] = s;
     }
-    const int64_t n_up = 2 * I, blocks_up = (n_up + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
-    const int64_t blocks_down = (H + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+    int64_t num_tiles = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t rows = offsets[e + 1] - offsets[e], count = (rows + mr_max - 1) / mr_max;
+        tiles.first[e] = num_tiles;
+        for (int64_t i = 0; i < count; ++i, ++num_tiles) {
+            tiles.r0[num_tiles] = offsets[e] + rows * i / count;
+            tiles.r1[num_tiles] = offsets[e] + rows * (i + 1) / count;
+        }
+    }
+    tiles.first[E] = num_tiles;
+    const int64_t up_floats = moe_expert_panel_floats(H, I, 0), down_floats = moe_expert_panel_floats(H, I, 1);
 #pragma omp parallel if (P * H * I >= 65536)
     {
-        /* gate_up products: items (expert, block of gate_up rows). */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < E * blocks_up; ++item) {
-            const int64_t e = item / blocks_up, b = item % blocks_up;
-            if (offsets[e] == offsets[e + 1]) continue;
-            const int64_t n0 = b * ROWS_PER_BLOCK, n1 = n0 + ROWS_PER_BLOCK < n_up ? n0 + ROWS_PER_BLOCK : n_up;
-            product_block(x, ldx, token, offsets[e], offsets[e + 1], gate_up + e * n_up * H, H, n0, n1, h, n_up);
-        }
-        /* SiLU-and-mul, in place over the gate half of each row of h. */
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; ++p) {
-            float *row = h + p * n_up;
-            for (int64_t j = 0; j < I; ++j) {
-                const float g = row[j];
-                row[j] = g / (1.0f + expf(-g)) * row[I + j];
-            }
-        }
-        /* down products: items (expert, block of down rows). */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < E * blocks_down; ++item) {
-            const int64_t e = item / blocks_down, b = item % blocks_down;
-            if (offsets[e] == offsets[e + 1]) continue;
-            const int64_t n0 = b * ROWS_PER_BLOCK, n1 = n0 + ROWS_PER_BLOCK < H ? n0 + ROWS_PER_BLOCK : H;
-            product_block(h, n_up, NULL, offsets[e], offsets[e + 1], down + e * H * I, I, n0, n1, y, H);
-        }
+        for (int64_t i = 0; i < num_tiles; ++i) pack_tile(x, ldx, token, tiles.r0[i], tiles.r1[i], H, 0, xp);
+        product_phase(&tiles, offsets, E, xp, gate_up, up_floats, 2 * I, H, h, 2 * I, t, nt);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_tiles; ++i) pack_tile(h, 2 * I, NULL, tiles.r0[i], tiles.r1[i], I, 1, xp);
+        product_phase(&tiles, offsets, E, xp, down, down_floats, H, I, y, H, t, nt);
+#pragma omp barrier
         /* Weighted sum of each token's K expert outputs, in j order. */
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) {
-            float *o = out + t * H;
-            const float *y0 = y + slot[t * K] * H;
-            const float w0 = weights[t * K];
+        for (int64_t tok = 0; tok < T; ++tok) {
+            float *o = out + tok * H;
+            const float *y0 = y + slot[tok * K] * H;
+            const float w0 = weights[tok * K];
             for (int64_t c = 0; c < H; ++c) o[c] = w0 * y0[c];
             for (int64_t j = 1; j < K; ++j) {
-                const float *yj = y + slot[t * K + j] * H;
-                const float wj = weights[t * K + j];
+                const float *yj = y + slot[tok * K + j] * H;
+                const float wj = weights[tok * K + j];
                 for (int64_t c = 0; c < H; ++c) o[c] += wj * yj[c];
             }
         }
     }
+done:
     free(offsets);
+    free(fill);
     free(token);
     free(slot);
-    return 0;
+    free(tiles.r0);
+    free(tiles.r1);
+    free(tiles.first);
+    return rc;
 }
