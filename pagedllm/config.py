@@ -36,7 +36,17 @@ class EngineConfig:
     the default temperature, top_p, top_k, min_p and repetition_penalty come from: ``auto`` (the model's
     ``generation_config.json`` or GGUF ``general.sampling.*`` metadata), ``vllm`` (none: the built-in
     neutral values) or a folder holding a ``generation_config.json``; a request's own values win.
+    ``tensor_parallel_size`` x ``pipeline_parallel_size`` ranks run one model (Megatron-style tensor
+    shards, consecutive layers per pipeline stage), ``(tp x pp) / nnodes`` per machine; machines meet
+    at ``master_addr:master_port`` (torch.distributed's TCP rendezvous) and node 0 runs the engine.
+    ``distributed_executor_backend`` places the ranks: ``mp`` (processes started here) or ``ray`` (a
+    Ray placement group). A collective that waits longer than ``distributed_timeout_s`` fails the step.
     """
+
+    @property
+    def world_size(self) -> int:
+        """Ranks running the model: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     model: str | None = None
     tokenizer: str | None = None
@@ -62,6 +72,15 @@ class EngineConfig:
     pooling_type: str | None = None
     pooling_normalize: bool | None = None
     generation_config: str = "auto"
+    # Model parallelism (pagedllm.distributed): ranks = tensor x pipeline, spread over nnodes machines.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (single node only)
+    distributed_executor_backend: str = "mp"
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,6 +113,19 @@ class EngineConfig:
             raise ValueError(
                 f"pooling_type must be one of {', '.join(POOLING_TYPES)} (or unset), got {self.pooling_type!r}."
             )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}.")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("master_port must be given when nnodes > 1 (every node meets there).")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}."
+            )
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 

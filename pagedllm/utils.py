@@ -25,3 +25,16 @@ def read_json(path: str) -> Any:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"Could not read {path}: {exc}") from exc
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the process that started it exits (no orphans of
+    engine cores, server processes or model ranks)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux
+        pass

@@ -2,7 +2,8 @@
 
 Layers, top to bottom (docs/ARCHITECTURE.md):
 
-    entrypoints, bench  ->  engine  ->  core, worker  ->  model, sample, structured  ->  attention  ->  kernels
+    entrypoints, bench  ->  engine  ->  core, worker, distributed  ->  model, sample, structured  ->  attention
+    ->  kernels
 
 A module may import its own package, any package below it, and packages beside it in the same layer as
 long as no cycle forms. The shared vocabulary (``config``, ``request``, ``sampling_params``,
@@ -22,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
 LAYERS: list[set[str]] = [
     {"__init__", "__main__", "entrypoints", "bench"},
     {"engine"},
-    {"core", "worker"},
+    {"core", "worker", "distributed"},
     {"model", "sample", "structured"},
     {"attention"},
     {"kernels"},

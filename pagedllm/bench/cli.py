@@ -49,6 +49,11 @@ BENCHMARKS = {
         "pagedllm.bench.multiprocess",
         "Offline throughput with the engine in a core process against in-process, on the same workload.",
     ),
+    "parallel": (
+        "pagedllm.bench.parallel",
+        "Throughput of tensor/pipeline-parallel ranks against one rank on the same cores, and each rank's "
+        "share of the weights.",
+    ),
 }
 
 

@@ -187,3 +187,21 @@ class Scheduler:
         """Advance computed-token counts after the step's forward ran."""
         for scheduled in out.scheduled_requests:
             scheduled.request.num_computed_tokens += scheduled.num_tokens
+
+
+def plan_micro_batches(query_lens: list[int], count: int) -> list[tuple[int, int]]:
+    """Cut a step's requests (their query lengths, in batch order) into at most ``count`` runs of
+    consecutive requests with about equal token counts: ``[(start, stop), ...]`` covering every
+    request once, none empty. Pipeline stages work on different runs at once."""
+    total, n = sum(query_lens), len(query_lens)
+    count = max(1, min(count, n))
+    bounds: list[tuple[int, int]] = []
+    start = seen = 0
+    for i, length in enumerate(query_lens):
+        seen += length
+        left = count - len(bounds) - 1  # runs still to open after this one
+        if left > 0 and seen * count >= total * (len(bounds) + 1) and n - (i + 1) >= left:
+            bounds.append((start, i + 1))
+            start = i + 1
+    bounds.append((start, n))
+    return bounds

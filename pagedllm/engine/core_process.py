@@ -24,7 +24,6 @@ exits 0 on :class:`Shutdown`, on SIGTERM, when no front-end has been heard from 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import os
 import queue
@@ -105,15 +104,6 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         enable_prefix_caching=engine.kv_cache_manager.enable_caching,
         pooling=pooling,
     )
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the process that started it exits."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux
-        pass
 
 
 class _CoreIO:

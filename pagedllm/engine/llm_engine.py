@@ -105,7 +105,20 @@ class LLMEngine:
             raise ValueError("pooling_type and pooling_normalize apply to task 'embed' only.")
         if self.task == "embed" and config.async_scheduling:
             raise ValueError("async_scheduling does not apply to task embed: a step's outputs are its own.")
-        self.executor: Executor | EncoderExecutor = EncoderExecutor(config) if encoder else Executor(config)
+        self.executor: Executor | EncoderExecutor
+        if config.world_size > 1 or config.nnodes > 1:
+            if encoder or config.node_rank:
+                raise ValueError(
+                    "tensor_parallel_size / pipeline_parallel_size: encoder models run on one rank."
+                    if encoder
+                    else f"node_rank {config.node_rank}: only node 0 runs the engine (start the others "
+                    "with `pagedllm serve --node-rank N`)."
+                )
+            from pagedllm.worker.parallel_executor import ParallelExecutor
+
+            self.executor = ParallelExecutor(config)
+        else:
+            self.executor = EncoderExecutor(config) if encoder else Executor(config)
         executor = self.executor
         self.tokenizer = executor.tokenizer
         self.model_name = executor.model_name
@@ -441,6 +454,13 @@ class LLMEngine:
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
         )
+
+    def shutdown(self) -> None:
+        """Stop what the executor started (the other ranks of a parallel model); the engine cannot
+        step afterwards."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def check_idle(self) -> None:
         """Assert no request is left and every KV block is free (cached or not)."""

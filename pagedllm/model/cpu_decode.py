@@ -116,9 +116,23 @@ class NativeDecodeLayers:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token (all decodes)."""
+        return self.forward_layers(input_ids, positions, meta, final=True)[0]
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        carried: tuple[torch.Tensor, torch.Tensor] | None = None,
+        final: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pipeline stage's decode rows, as :meth:`LlamaForCausalLM.forward_layers` (``carried``:
+        the stage before's ``(x, residual)``); with ``final`` the first item is after the final norm
+        (the second is then the input ``x``, unused)."""
         rotary = self.model.rotary
-        return self.kernel(
-            self.model.embed_tokens(input_ids),
+        x = self.model.embed_tokens(input_ids) if carried is None else carried[0]
+        out, residual = self.kernel(
+            x,
             positions,
             rotary.cos_cache,
             rotary.sin_cache,
@@ -126,4 +140,7 @@ class NativeDecodeLayers:
             meta.block_tables,
             meta.seq_lens,
             meta.max_seq_len,
+            residual=None if carried is None else carried[1],
+            final=final,
         )
+        return out, x if residual is None else residual

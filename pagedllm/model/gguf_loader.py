@@ -10,6 +10,10 @@ projections (it interleaves the two rotary halves of every head); that reorderin
 the weights are the ones of the original Hugging Face model. Gemma 2 / 3 files store every norm
 weight plus one (llama.cpp's RMSNorm scales by the weight, Gemma's by one plus it); one is taken off
 again here, as transformers' GGUF loader does.
+
+:func:`load_gguf` takes an optional ``select`` (a :data:`~pagedllm.model.hf_loader.TensorSelector`)
+that keeps only a slice of each tensor (quantized blocks are sliced as blocks), for ranks of a
+tensor- or pipeline-parallel run that each hold a shard.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
-from pagedllm.kernels.cpu.quant import LOADABLE_TYPES, QuantizedWeight
+from pagedllm.kernels.cpu.quant import LOADABLE_TYPES, QuantizedWeight, q5_0_to_q8_0
 from pagedllm.model.config import ModelConfig, unsupported_architecture_error
+from pagedllm.model.hf_loader import TensorSelector, check_selection, is_whole, meta_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,9 @@ _BLOCK_TENSORS: dict[str, str] = {
 }
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+# llama.cpp tensors whose rows its converter reorders for the "llama" architecture (per head).
+_ROTARY_PERMUTED = (".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")
 
 # llama.cpp stores llama3-style RoPE scaling as this tensor of per-frequency divisors.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -375,17 +383,69 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _dequantize_f32(tensor: Any) -> np.ndarray:
-    """Dequantize a reader tensor into an owned, writable float32 array of its logical shape."""
-    arr = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+def _hf_shape(tensor: Any) -> tuple[int, ...]:
+    """The logical shape of a reader tensor, outermost dimension first (``[out, in]`` for a weight)."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _dequantize_f32(tensor: Any, rows: slice | None = None) -> np.ndarray:
+    """Dequantize a reader tensor into an owned, writable float32 array of its logical shape.
+
+    ``rows`` (a step-1 slice of the outermost dimension of a tensor of two or more dimensions) reads
+    and dequantizes only those rows."""
+    shape = _hf_shape(tensor)
+    data = tensor.data
+    if rows is not None:
+        begin, end, _ = rows.indices(shape[0])
+        data = data[begin : max(begin, end)]
+        shape = (data.shape[0], *shape[1:])
+    arr = dequantize(data, tensor.tensor_type)
     if arr.dtype != np.float32 or not arr.flags.writeable:
         arr = np.array(arr, dtype=np.float32)  # copies out of the read-only file mapping
     return arr.reshape(shape)
 
 
+def _selected_f32(tensor: Any, index: tuple[slice, ...]) -> np.ndarray:
+    """The part ``index`` selects of a reader tensor, as an owned contiguous float32 array (only the
+    selected rows of a tensor of two or more dimensions are dequantized)."""
+    if len(index) and len(_hf_shape(tensor)) >= 2:
+        arr = _dequantize_f32(tensor, rows=index[0])  # owns just these rows
+        rest: tuple[slice, ...] = (slice(None), *index[1:])
+    else:
+        arr, rest = _dequantize_f32(tensor), index
+    if is_whole(rest, arr.shape):
+        return arr
+    return np.array(arr[rest], dtype=np.float32, order="C", copy=True)  # keeps only the shard
+
+
+def _selected_quantized(tensor: Any, hf_name: str, index: tuple[slice, ...]) -> QuantizedWeight:
+    """The part ``index`` selects of a 2-D reader tensor of a :data:`LOADABLE_TYPES` type, as GGUF
+    blocks: a row range takes those rows' blocks; a column range must start and end on a block
+    boundary (ValueError naming the tensor otherwise) and takes the matching bytes of every row."""
+    type_name = GGMLQuantizationType(tensor.tensor_type).name
+    out_features, in_features = _hf_shape(tensor)
+    rows = index[0] if len(index) > 0 else slice(None)
+    cols = index[1] if len(index) > 1 else slice(None)
+    r0, r1, _ = rows.indices(out_features)
+    c0, c1, _ = cols.indices(in_features)
+    r1, c1 = max(r0, r1), max(c0, c1)
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.tensor_type)]
+    if c0 % values or c1 % values:
+        raise ValueError(
+            f"Cannot load columns {c0}:{c1} of the {type_name} tensor {hf_name} as quantized blocks: a "
+            f"column range must start and end on a multiple of the block size ({values} values). "
+            'Load the model with quantization="none" (float32 weights), or use a parallel layout whose '
+            "shards are block-aligned."
+        )
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(out_features, -1)
+    blocks = np.array(raw[r0:r1, c0 // values * nbytes : c1 // values * nbytes], dtype=np.uint8, copy=True)
+    if type_name == "Q5_0":
+        return QuantizedWeight("Q8_0", (r1 - r0, c1 - c0), torch.from_numpy(q5_0_to_q8_0(blocks)))
+    return QuantizedWeight(type_name, (r1 - r0, c1 - c0), torch.from_numpy(blocks))
+
+
 def load_gguf(
-    path: str, keep_quantized: bool = False
+    path: str, keep_quantized: bool = False, *, select: TensorSelector | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     """Read a GGUF file: its :class:`ModelConfig` and weights under Hugging Face names.
 
@@ -393,6 +453,13 @@ def load_gguf(
     2-D tensors of a type the quantized kernels take (the others are dequantized, logged once by type).
     Raises ValueError for an unsupported architecture, an unknown tensor, or tensors that do not
     match the metadata.
+
+    ``select`` (a :data:`~pagedllm.model.hf_loader.TensorSelector`, called with the Hugging Face name
+    and full Hugging Face shape) keeps only a slice of each tensor and leaves out the tensors it
+    skips; only the selected rows are copied or dequantized. A column range of a tensor kept
+    quantized must be block-aligned (ValueError naming the tensor otherwise). The llama q/k row
+    reordering is undone on the selected rows, which must then be whole heads. The names and full
+    shapes of all the file's tensors are still checked against the metadata.
     """
     reader = open_gguf(path)
     gguf_arch = read_metadata(reader, "general.architecture")
@@ -408,6 +475,7 @@ def load_gguf(
     config = gguf_config(reader, rope_freqs)
 
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    full_shapes: dict[str, tuple[int, ...]] = {}
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
@@ -415,18 +483,37 @@ def load_gguf(
         hf_name = hf_tensor_name(tensor.name, gguf_arch)
         if hf_name is None:
             raise ValueError(f"Unexpected tensor '{tensor.name}' in {gguf_arch} GGUF file {path}.")
+        index: tuple[slice, ...] = ()
+        row_sliced = False
+        if select is not None:
+            shape = full_shapes[hf_name] = _hf_shape(tensor)
+            chosen = select(hf_name, shape)
+            if chosen is None:
+                continue
+            index = check_selection(hf_name, shape, chosen)
+            if is_whole(index, shape):
+                index = ()
+            row_sliced = len(index) > 0 and not is_whole(index[:1], shape)
         type_name = GGMLQuantizationType(tensor.tensor_type).name
         quantized = keep_quantized and type_name in LOADABLE_TYPES and len(tensor.shape) == 2
         if keep_quantized and not quantized and type_name not in FLOAT_TYPES:
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
-        weight = QuantizedWeight.from_gguf(tensor) if quantized else None
-        arr = weight.blocks.numpy() if weight is not None else _dequantize_f32(tensor)
-        if gguf_arch == "llama":
-            # Whole rows move (a quantized row's blocks with it).
-            if tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
-                arr = unpermute_rotary_rows(arr, config.num_attention_heads)
-            elif tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
-                arr = unpermute_rotary_rows(arr, config.num_key_value_heads)
+        weight: QuantizedWeight | None = None
+        if quantized:
+            weight = (
+                _selected_quantized(tensor, hf_name, index) if index else QuantizedWeight.from_gguf(tensor)
+            )
+            arr = weight.blocks.numpy()
+        else:
+            arr = _selected_f32(tensor, index) if index else _dequantize_f32(tensor)
+        if gguf_arch == "llama" and tensor.name.endswith(_ROTARY_PERMUTED):
+            # Whole rows move (a quantized row's blocks with it), within each head: the selected
+            # rows (whole heads) are unpermuted by themselves.
+            is_q = tensor.name.endswith((".attn_q.weight", ".attn_q.bias"))
+            heads = config.num_attention_heads if is_q else config.num_key_value_heads
+            if row_sliced:
+                heads = _selected_heads(hf_name, index[0], full_shapes[hf_name][0], config.head_dim)
+            arr = unpermute_rotary_rows(arr, heads)
         if gguf_arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm scales by the
             # weight); the model here scales by 1 + weight, as transformers does.
@@ -442,8 +529,20 @@ def load_gguf(
             os.path.basename(path),
             ", ".join(f"{t} ({n} tensors)" for t, n in sorted(dequantized.items())),
         )
-    config.check_weights(weights, path)
+    config.check_weights(weights if select is None else meta_tensors(full_shapes), path)
     return config, weights
+
+
+def _selected_heads(hf_name: str, rows: slice, full_rows: int, head_dim: int) -> int:
+    """The number of heads in the rows ``rows`` selects of a q/k projection (weight or bias) of
+    ``full_rows`` rows; ValueError naming the tensor unless they are whole heads of ``head_dim`` rows."""
+    begin, end, _ = rows.indices(full_rows)
+    end = max(begin, end)
+    if begin % head_dim or end % head_dim:
+        raise ValueError(
+            f"The selected rows {begin}:{end} of {hf_name} do not cover whole heads of {head_dim} rows."
+        )
+    return (end - begin) // head_dim
 
 
 def gguf_display_name(path: str) -> str:

@@ -117,14 +117,30 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
-        x = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
+        x, residual = self.forward_layers(input_ids, positions, ctx)
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        carried: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` after this model's layers, before the final norm. The layers start from
+        the embedding of ``input_ids``, or (a later pipeline stage) from ``carried``, the ``(x,
+        residual)`` the stage before returned."""
+        residual: torch.Tensor | None
+        if carried is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = carried
         rope = self.rotary.tables(positions)
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)
         assert residual is not None
-        x, _ = self.norm.forward_residual(x, residual)
-        return x
+        return x, residual
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of ``hidden`` rows; written into ``out`` (``[rows, vocab]`` float32) when given."""

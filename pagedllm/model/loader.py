@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_loader import gguf_display_name, load_gguf
+from pagedllm.model.hf_loader import TensorSelector as TensorSelector  # re-exported
 from pagedllm.model.hf_loader import load_hf
 from pagedllm.model.packaged import packaged_gguf_file, packaged_model_dir, packaged_model_name
 from pagedllm.model.tokenizer import load_tokenizer, tokenizer_eos_token_ids
@@ -112,21 +113,27 @@ def load_model_tokenizer(model: str | None, tokenizer: str | None = None) -> Pre
 
 
 def load_checkpoint(
-    model: str | None, tokenizer: str | None = None, keep_quantized: bool = False
+    model: str | None,
+    tokenizer: str | None = None,
+    keep_quantized: bool = False,
+    *,
+    select: TensorSelector | None = None,
 ) -> LoadedCheckpoint:
     """Load a model's config, weights (float32, or GGUF blocks with ``keep_quantized``) and tokenizer.
 
     ``tokenizer`` optionally overrides where the tokenizer comes from (a directory or ``.gguf``
     file); by default it is the model's own. When the checkpoint names no EOS token, the
-    tokenizer's is used.
+    tokenizer's is used. ``select`` (a :data:`TensorSelector`) loads only a slice of each tensor and
+    leaves out the tensors it skips (a rank's shard in a parallel run); the checkpoint is still
+    checked whole against its config.
     """
     kind, path = resolve_model_path(model)
     weights: dict[str, torch.Tensor | QuantizedWeight]
     if kind == "gguf":
-        config, weights = load_gguf(path, keep_quantized=keep_quantized)
+        config, weights = load_gguf(path, keep_quantized=keep_quantized, select=select)
         name = packaged_model_name(path) or gguf_display_name(path)
     else:
-        config, hf_weights = load_hf(path)
+        config, hf_weights = load_hf(path, select=select)
         weights = dict(hf_weights)
         name = os.path.basename(os.path.normpath(path))
     tok = load_tokenizer(tokenizer if tokenizer is not None else path)

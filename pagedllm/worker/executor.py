@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
 from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.sample.sampler import DeviceSamples
@@ -41,10 +43,10 @@ class Executor:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        self.device = resolve_device(config.device)
+        self.device = self._resolve_device(config)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_before_loading(config.quantization, self.device, self.dtype)
-        ckpt = load_checkpoint(config.model, config.tokenizer, keep_quantized=config.quantization != "none")
+        ckpt = self._load_checkpoint(config)
         weights = settle_weights(config.quantization, ckpt.weights, ckpt.path, self.device, self.dtype)
         self.config = config
         self.tokenizer = with_chat_template(ckpt.tokenizer, config.chat_template)
@@ -70,7 +72,7 @@ class Executor:
                 )
         self.attention_backend = choose_attention_backend(config.attention_backend, self.device, self.dtype)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(
+        self.runner = self._make_runner(
             ckpt.config,
             weights,
             max_model_len=self.max_model_len,
@@ -82,13 +84,30 @@ class Executor:
             quantization=config.quantization,
         )
         del ckpt, weights
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = self._agree_kv_blocks(self._num_kv_blocks())
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_cuda_graphs(config.max_num_seqs)
         elif self.device.type == "cpu" and not config.enforce_eager:
             self.runner.enable_native_decode()
         self.load_time_s = time.perf_counter() - started
+
+    # Hooks of executors whose ranks each hold a shard (pagedllm.worker.parallel_executor).
+    def _resolve_device(self, config: EngineConfig) -> torch.device:
+        return resolve_device(config.device)
+
+    def _load_checkpoint(self, config: EngineConfig) -> LoadedCheckpoint:
+        return load_checkpoint(config.model, config.tokenizer, keep_quantized=config.quantization != "none")
+
+    def _make_runner(self, model_config: ModelConfig, weights: dict[str, Any], **kwargs: Any) -> ModelRunner:
+        return ModelRunner(model_config, weights, **kwargs)
+
+    def _agree_kv_blocks(self, num_blocks: int) -> int:
+        """The KV block count every rank uses (here: this one's)."""
+        return num_blocks
+
+    def shutdown(self) -> None:
+        """Release what the executor started (nothing for one in-process worker)."""
 
     def launch(
         self, scheduler_output: SchedulerOutput, times: StepPhaseTimes

@@ -18,7 +18,7 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.layers import RotaryEmbedding
-from pagedllm.model.llama import ForwardContext
+from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.model.moe import pack_cpu_experts
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.quantization import install_gguf_blocks, quantize_float_linears
@@ -102,7 +102,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend: AttentionBackend = get_attention_backend(attention_backend)
         with torch.device("meta"):
-            model = model_class(model_config)(model_config, max_model_len)
+            model = self._place_model(model_class(model_config)(model_config, max_model_len))
         model = model.to_empty(device="cpu")
         # Buffers are not in the checkpoint: rebuild the rotary tables for real.
         model.init_rotary(max_model_len)
@@ -137,6 +137,11 @@ class ModelRunner:
         # Rows for every request that can run at once (tables up to max_model_len), shared by the
         # eager path and the CUDA graphs.
         self.input_builder = StepInputBuilder(block_size, max_num_seqs, -(-max_model_len // block_size))
+
+    def _place_model(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
+        """The model this runner holds, given the whole model built on the meta device (a pipeline
+        stage keeps its layers only: :class:`pagedllm.worker.parallel_runner.ParallelModelRunner`)."""
+        return model
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -310,11 +315,7 @@ class ModelRunner:
             inputs = self.prepare_inputs(scheduler_output)
             prepared = time.perf_counter()
             times.prepare += prepared - started
-            if self.native_decode is not None and inputs.meta.is_decode_only:
-                hidden = self.native_decode(inputs.input_ids, inputs.positions, inputs.meta)
-            else:
-                ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
-                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            hidden = self._eager_forward(inputs)
             times.forward += time.perf_counter() - prepared
             return inputs, hidden, None
         n = len(scheduler_output.scheduled_requests)
@@ -343,6 +344,18 @@ class ModelRunner:
         )
         return inputs, hidden[:n], logits
 
+    def _eager_forward(self, inputs: BatchInputs) -> torch.Tensor:
+        """Hidden states of every row of the step, after the final norm (no CUDA graph)."""
+        assert self.kv_cache is not None, "KV cache not allocated"
+        if self.native_decode is not None and inputs.meta.is_decode_only:
+            return self.native_decode(inputs.input_ids, inputs.positions, inputs.meta)
+        ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
+        return self.model(inputs.input_ids, inputs.positions, ctx)
+
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+        """float32 logits ``[rows, vocab]`` of ``hidden[rows]``, the step's hidden states."""
+        return self.model.compute_logits(hidden[rows])
+
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor
     ) -> None:
@@ -365,15 +378,16 @@ class ModelRunner:
                 hi = min(lo + PROMPT_LOGPROBS_POSITIONS, last)
                 req.prompt_logprobs.extend(
                     self._prompt_logprobs_slice(
-                        hidden[base + lo : base + hi], req.prompt_token_ids[lo + 1 : hi + 1], k
+                        hidden, slice(base + lo, base + hi), req.prompt_token_ids[lo + 1 : hi + 1], k
                     )
                 )
 
     def _prompt_logprobs_slice(
-        self, hidden: torch.Tensor, targets_list: list[int], k: int
+        self, hidden: torch.Tensor, rows: slice, targets_list: list[int], k: int
     ) -> list[dict[int, Logprob] | None]:
-        """Logprob entries of ``targets_list`` (the prompt tokens that ``hidden``'s positions predict)."""
-        logits = self.model.compute_logits(hidden)
+        """Logprob entries of ``targets_list`` (the prompt tokens that ``hidden[rows]``'s positions
+        predict)."""
+        logits = self.logits_of(hidden, rows)
         logprobs = torch.log_softmax(logits, dim=-1)
         del logits
         targets = torch.tensor(targets_list, device=logprobs.device)
@@ -432,7 +446,7 @@ class ModelRunner:
             return [], None
         started = time.perf_counter()
         if logits is None:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.logits_of(hidden, inputs.logits_indices)
         sampling = time.perf_counter()
         times.forward += sampling - started
         reqs = [scheduler_output.scheduled_requests[r].request for r in inputs.sample_rows]

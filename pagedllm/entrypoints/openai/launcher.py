@@ -29,10 +29,11 @@ from types import FrameType
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.core_launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
-from pagedllm.engine.core_process import CoreOptions, die_with_parent
+from pagedllm.engine.core_process import CoreOptions
 from pagedllm.engine.metrics import MULTIPROC_ENV, EngineMetrics
 from pagedllm.entrypoints.openai.api_server import add_cli_args, serve_engine
 from pagedllm.entrypoints.openai.cli_args import check_args, configure_logging, engine_config_from_args
+from pagedllm.utils import die_with_parent
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.launcher")
 
@@ -50,6 +51,15 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if config is None:
         return 2
+    if config.node_rank > 0:
+        # Another machine of a model split over several (--nnodes): its ranks only, no engine.
+        from pagedllm.worker.parallel_executor import run_worker_node
+
+        try:
+            return run_worker_node(config)
+        except ValueError as exc:
+            logger.error("%s", exc)
+            return 2
     if args.headless:
         return run_headless(args, config)
     if args.multiprocess:

@@ -113,13 +113,19 @@ class DecodeLayersKernel:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         max_seq_len: int,
-    ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per decode row."""
+        residual: torch.Tensor | None = None,
+        final: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden states after the final norm, None)``, one row per decode row; for a pipeline
+        stage that starts from ``residual`` (the residual stream carried with ``x``) or is not the
+        last (``final`` False: ``(x, residual)`` after the layers, before the final norm)."""
         s = self.shape
         rows = x.shape[0]
         out = torch.empty(rows, s.hidden, dtype=torch.float32)
+        residual_out = None if final else torch.empty(rows, s.hidden, dtype=torch.float32)
         if rows == 0:
-            return out
+            return out, residual_out
+        residual_in = None if residual is None else residual.contiguous()
         if not (cos_cache.is_contiguous() and sin_cache.is_contiguous()) or cos_cache.dtype != torch.float32:
             raise ValueError("rotary tables must be contiguous float32.")
         # Held in locals so that any converted copy outlives the call.
@@ -129,8 +135,9 @@ class DecodeLayersKernel:
         tables = block_tables.contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         rc = load_library().llama_decode_layers_f32(
-            self.num_layers, self._layer_ptrs, self._final_norm.data_ptr(),
-            x.data_ptr(), out.data_ptr(), rows, s.hidden, s.num_heads, s.num_kv_heads,
+            self.num_layers, self._layer_ptrs, self._final_norm.data_ptr() if final else None,
+            x.data_ptr(), None if residual_in is None else residual_in.data_ptr(), out.data_ptr(),
+            None if residual_out is None else residual_out.data_ptr(), rows, s.hidden, s.num_heads, s.num_kv_heads,
             s.head_dim, s.intermediate, s.eps, s.scale,
             positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
@@ -140,4 +147,4 @@ class DecodeLayersKernel:
             raise MemoryError("native decode layers: out of memory for scratch buffers.")
         if rc != 0:
             raise ValueError(f"native decode layers: a product kernel rejected its weight (code {rc}).")
-        return out
+        return out, residual_out

@@ -55,7 +55,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "panel_weight_floats": [_I64, _I64],
     "pack_panels_f32": [_PTR, _I64, _I64, _PTR],
     "panel_linear_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
-    "llama_decode_layers_f32": [_I64, _PTR, _PTR, _PTR, _PTR]
+    "llama_decode_layers_f32": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]
     + [_I64] * 6
     + [_F32, _F32]
     + [_PTR] * 5

@@ -70,14 +70,17 @@ enum { P_LN1, P_QKV, P_O, P_LN2, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, NUM_P 
 
 /*
  * ``x`` [rows, hidden]: the embedded input tokens (overwritten). ``out`` [rows, hidden]: the final
- * hidden states (after ``final_norm``). Row r is one sequence's new token at ``positions[r]``, its K/V
+ * hidden states (after ``final_norm``). A pipeline stage runs a run of the layers: ``residual_in``
+ * (NULL for the first stage) is the residual stream carried with ``x`` from the stage before, and with
+ * ``final_norm`` NULL the layers' last ``x`` goes to ``out`` and the residual to ``residual_out``
+ * (the next stage's input) instead of the final norm. Row r is one sequence's new token at ``positions[r]``, its K/V
  * go to cache slot ``slots[r]`` (skipped when negative) and it attends over ``seq_lens[r]`` tokens
  * through ``block_tables[r]``. Returns 0, -1 when a scratch buffer could not be allocated, or a
  * product kernel's error code.
  */
 int llama_decode_layers_f32(
     int64_t num_layers, const void *const *layer_ptrs, const float *final_norm,
-    float *x, float *out, int64_t rows, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+    float *x, const float *residual_in, float *out, float *residual_out, int64_t rows, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t intermediate, float eps, float scale,
     const int64_t *positions, const float *cos_cache, const float *sin_cache, const int64_t *slots,
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int64_t max_seq_len,
@@ -96,7 +99,10 @@ int llama_decode_layers_f32(
 #define PTR(i) layer_ptrs[(i) * num_layers + l]
         const float *ln1 = PTR(P_LN1), *ln2 = PTR(P_LN2);
         float *k_cache = (float *)PTR(P_K_CACHE), *v_cache = (float *)PTR(P_V_CACHE);
-        if (l == 0) { /* residual = x; h = norm(x) */
+        if (l == 0 && residual_in) { /* residual = residual_in + x; h = norm(residual) */
+            memcpy(residual, residual_in, sizeof(float) * (size_t)(rows * hidden));
+            rms_norm_f32(x, hidden, residual, hidden, h, hidden, residual, hidden, ln1, rows, hidden, eps);
+        } else if (l == 0) { /* residual = x; h = norm(x) */
             memcpy(residual, x, sizeof(float) * (size_t)(rows * hidden));
             rms_norm_f32(x, hidden, NULL, 0, h, hidden, NULL, 0, ln1, rows, hidden, eps);
         } else { /* residual += x; h = norm(residual) */
@@ -121,7 +127,12 @@ int llama_decode_layers_f32(
         rc = linear_forward(PTR(P_DOWN), act, intermediate, x, hidden, rows, intermediate);
 #undef PTR
     }
-    if (rc == 0) rms_norm_f32(x, hidden, residual, hidden, out, hidden, residual, hidden, final_norm, rows, hidden, eps);
+    if (rc == 0 && final_norm) {
+        rms_norm_f32(x, hidden, residual, hidden, out, hidden, residual, hidden, final_norm, rows, hidden, eps);
+    } else if (rc == 0) {
+        memcpy(out, x, sizeof(float) * (size_t)(rows * hidden));
+        memcpy(residual_out, residual, sizeof(float) * (size_t)(rows * hidden));
+    }
     free(residual);
     free(h);
     free(qkv);
