@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from helpers.model_factory import make_tiny_hf_model
+from helpers.processes import alive, cmdline
 
 # The module every rank process other than the driver runs (``python -m ... SPEC``).
 RANK_MODULE = "pagedllm.worker.parallel_executor"
@@ -67,25 +68,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
     return get
 
 
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _key(proc: psutil.Process) -> tuple[int, float]:
     try:
         return proc.pid, proc.create_time()
     except psutil.Error:
         return proc.pid, 0.0
-
-
-def _cmdline(proc: psutil.Process) -> str:
-    try:
-        return " ".join(proc.cmdline())
-    except psutil.Error:
-        return "?"
 
 
 def _parent(proc: psutil.Process) -> int | None:
@@ -104,16 +91,16 @@ class ProcessWatch:
 
     def new(self) -> list[psutil.Process]:
         """Descendants started since the watch began, still alive (zombies excluded)."""
-        return [p for p in self.me.children(recursive=True) if _key(p) not in self.before and _alive(p)]
+        return [p for p in self.me.children(recursive=True) if _key(p) not in self.before and alive(p)]
 
     def ranks(self, parent: int | None = None) -> list[psutil.Process]:
         """New rank processes (``python -m pagedllm.worker.parallel_executor``) started by process
         ``parent`` (by default this one)."""
         parent = self.me.pid if parent is None else parent
-        return [p for p in self.new() if RANK_MODULE in _cmdline(p) and _parent(p) == parent]
+        return [p for p in self.new() if RANK_MODULE in cmdline(p) and _parent(p) == parent]
 
     def describe(self, procs: list[psutil.Process]) -> list[tuple[int, str]]:
-        return [(p.pid, _cmdline(p)[:160]) for p in procs]
+        return [(p.pid, cmdline(p)[:160]) for p in procs]
 
     def assert_none_left(self, timeout: float = 15.0) -> None:
         """Every process started since the watch began has exited (within ``timeout``)."""

@@ -17,6 +17,7 @@ import openai
 import psutil
 import pytest
 
+from helpers.processes import alive, cmdline
 from helpers.server import REPO_ROOT, RemoteServer, free_port
 from pagedllm import LLM, SamplingParams
 
@@ -26,20 +27,6 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks
 PROMPT = "The capital of France is"
 CHAT: list[Any] = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _cmdline(proc: psutil.Process) -> str:
-    try:
-        return " ".join(proc.cmdline())
-    except psutil.Error:
-        return "?"
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +71,8 @@ def one_rank(model_path: str) -> Iterator[LLM]:
 
 
 def test_server_runs_two_ranks(server: RemoteServer) -> None:
-    ranks = [p for p in psutil.Process(server.pid).children(recursive=True) if RANK_MODULE in _cmdline(p)]
-    assert len(ranks) == 1, [_cmdline(p)[:120] for p in psutil.Process(server.pid).children(recursive=True)]
+    ranks = [p for p in psutil.Process(server.pid).children(recursive=True) if RANK_MODULE in cmdline(p)]
+    assert len(ranks) == 1, [cmdline(p)[:120] for p in psutil.Process(server.pid).children(recursive=True)]
 
 
 def test_completion_equals_one_rank(client: openai.OpenAI, one_rank: LLM) -> None:
@@ -161,7 +148,7 @@ def test_metrics_answer_and_kv_blocks_free(server: RemoteServer) -> None:
 def test_stop_leaves_no_process(server: RemoteServer) -> None:
     """Last in this module: SIGTERM stops the server, its engine core and rank 1."""
     tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-    assert any(RANK_MODULE in _cmdline(p) for p in tree)
+    assert any(RANK_MODULE in cmdline(p) for p in tree)
     server.terminate()
     assert server.wait(60) == 0, server.log_tail()
     for proc in tree:
@@ -169,7 +156,7 @@ def test_stop_leaves_no_process(server: RemoteServer) -> None:
             proc.wait(15)
         except psutil.TimeoutExpired:
             pass
-    left = [(p.pid, _cmdline(p)[:120]) for p in tree if _alive(p)]
+    left = [(p.pid, cmdline(p)[:120]) for p in tree if alive(p)]
     assert not left, left
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers.model_factory import make_tiny_hf_model
+from helpers.processes import alive, describe, wait_gone
 from pagedllm import LLM, SamplingParams
 
 try:
@@ -31,37 +32,12 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=5)
 ENGINE_ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
 
 
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _describe(procs: list[psutil.Process]) -> list[tuple[int, str]]:
-    out = []
-    for proc in procs:
-        try:
-            out.append((proc.pid, " ".join(proc.cmdline())[:120]))
-        except psutil.Error:
-            out.append((proc.pid, "?"))
-    return out
-
-
-def _wait_gone(procs: list[psutil.Process], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [p for p in procs if _alive(p)]
-    assert not left, f"{what} left behind: {_describe(left)}"
-
-
 def _rank_processes() -> list[psutil.Process]:
     """Live processes under this test process running a rank actor (Ray names them ray::RankActor)."""
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "RankActor" in " ".join(child.cmdline()) and _alive(child):
+            if "RankActor" in " ".join(child.cmdline()) and alive(child):
                 out.append(child)
         except psutil.Error:
             pass
@@ -78,7 +54,7 @@ def local_ray() -> Iterator[None]:
         started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         if ray.is_initialized():
             ray.shutdown()
-        _wait_gone(started, 30.0, "processes of a Ray that failed to start")
+        wait_gone(started, 30.0, "processes of a Ray that failed to start")
         pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
     started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     try:
@@ -86,7 +62,7 @@ def local_ray() -> Iterator[None]:
     finally:
         started += [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         ray.shutdown()
-        _wait_gone(started, 30.0, "Ray processes")
+        wait_gone(started, 30.0, "Ray processes")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +83,7 @@ def test_ray_tensor_parallel_matches_single_rank(local_ray: None, tiny_llama: st
         actors = [rank.actor for rank in ray_ranks.ranks]
         assert len(actors) == 1, "rank 1 is the only actor (the driver stays here)"
         rank_procs = _rank_processes()
-        assert len(rank_procs) == 1, f"one rank actor process: {_describe(rank_procs)}"
+        assert len(rank_procs) == 1, f"one rank actor process: {describe(rank_procs)}"
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     finally:
         llm.shutdown()
@@ -126,7 +102,7 @@ def test_ray_tensor_parallel_matches_single_rank(local_ray: None, tiny_llama: st
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ping.remote(), timeout=30)
-    _wait_gone(rank_procs, 15.0, "rank actor processes")
+    wait_gone(rank_procs, 15.0, "rank actor processes")
     assert not _rank_processes(), "no rank actor process is left"
     # The placement group was removed: its CPU is free again.
     deadline = time.monotonic() + 10.0

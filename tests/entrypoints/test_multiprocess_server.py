@@ -42,6 +42,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.processes import alive, describe, wait_gone
 from helpers.prompts import REFERENCE_PROMPTS
 from helpers.server import IDLE_GAUGES, REPO_ROOT, SMALL_ENGINE_ARGS, RemoteServer, free_port
 from pagedllm.sampling_params import SamplingParams
@@ -64,32 +65,6 @@ DRAIN_ARGS = ["--shutdown-timeout", "150"]
 # ------------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------------
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _describe(procs: list[psutil.Process]) -> list[tuple[int, str]]:
-    out = []
-    for p in procs:
-        try:
-            out.append((p.pid, " ".join(p.cmdline())[:160]))
-        except psutil.Error:
-            out.append((p.pid, "?"))
-    return out
-
-
-def _assert_all_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
-    """Every process of ``procs`` has exited (within ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in procs if _alive(p)]
-    assert not left, f"left running: {_describe(left)}"
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -346,7 +321,7 @@ def test_two_front_ends_serve_greedy_outputs_and_stop_together(
     models = srv.get("/v1/models")
     assert models.status_code == 200 and models.json()["data"][0]["id"], models.text
     frontends = _frontends(srv.pid)
-    assert len(frontends) == 2 and len(_cores(srv.pid)) == 1, _describe(_tree(srv.pid))
+    assert len(frontends) == 2 and len(_cores(srv.pid)) == 1, describe(_tree(srv.pid))
 
     # Eight streams at once (six completions, two chats), each held after its first chunk so that
     # every connection is open at the same time: both front-ends hold some of them.
@@ -399,7 +374,7 @@ def test_two_front_ends_serve_greedy_outputs_and_stop_together(
     _sigterm_while_streaming(srv, stream)
     stream.join()
     code = srv.wait(STOP_WITHIN_S)
-    _assert_all_gone(tree)
+    wait_gone(tree)
     stream.assert_completed(32)
     assert code == 0, srv.log_tail()
 
@@ -493,7 +468,7 @@ def test_data_parallel_survives_a_killed_core(
     dp2: RemoteServer, reference: dict[str, tuple[str, list[str]]]
 ) -> None:
     cores = _cores(dp2.pid)
-    assert sorted(cores) == [0, 1], _describe(_tree(dp2.pid))
+    assert sorted(cores) == [0, 1], describe(_tree(dp2.pid))
     # Long streams (cut by the test once it has seen enough), two on each core.
     streams = [Stream(dp2, _completion_body(f"Item {i}:", 400)).start() for i in range(4)]
     try:
@@ -573,7 +548,7 @@ def test_killed_only_core_fails_the_stream_and_the_server_exits() -> None:
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
         code = srv.wait(EXIT_WITHIN_S)
         assert code != 0, srv.log_tail()
-        _assert_all_gone(tree)
+        wait_gone(tree)
     finally:
         srv.stop()
 
@@ -583,7 +558,7 @@ def test_injected_fault_fails_the_request_and_the_server_exits() -> None:
     srv.start()
     try:
         tree = _tree(srv.pid)
-        assert len(_cores(srv.pid)) == 1, _describe(tree)
+        assert len(_cores(srv.pid)) == 1, describe(tree)
         r = srv.post(
             "/v1/completions", json={"prompt": "Hi", "max_tokens": 20, "ignore_eos": True}, timeout=60
         )
@@ -592,7 +567,7 @@ def test_injected_fault_fails_the_request_and_the_server_exits() -> None:
         assert error["type"] == "server_error" and "injected fault" in error["message"], error
         code = srv.wait(EXIT_WITHIN_S)
         assert code != 0, srv.log_tail()
-        _assert_all_gone(tree)
+        wait_gone(tree)
     finally:
         srv.stop()
 
@@ -620,14 +595,14 @@ def test_missing_model_fails_the_start_and_leaves_nothing() -> None:
         output = log.read().decode(errors="replace")
     assert code != 0, output
     assert "does not exist" in output and model in output, output
-    _assert_all_gone(list(seen.values()))
+    wait_gone(list(seen.values()))
     # Nothing started for this model is left (a core's JSON argument names it).
     left = []
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if any(model in part for part in p.cmdline()) and _alive(p):
+            if any(model in part for part in p.cmdline()) and alive(p):
                 left.append(p)
-    assert not left, _describe(left)
+    assert not left, describe(left)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -693,7 +668,7 @@ def test_headless_core_joins_and_both_trees_stop() -> None:
             headless.send_signal(signal.SIGTERM)
             code = headless.wait(STOP_WITHIN_S)
         assert code == 0, Path(log.name).read_text(errors="replace")[-4000:]
-        _assert_all_gone(front_tree + headless_tree)
+        wait_gone(front_tree + headless_tree)
     finally:
         srv.stop()
         if headless.poll() is None:
@@ -711,11 +686,11 @@ def test_headless_core_joins_and_both_trees_stop() -> None:
 def test_sigterm_lets_the_stream_finish_then_exits_0() -> None:
     with RemoteServer([*SMALL_ENGINE_ARGS, *DRAIN_ARGS]) as srv:
         tree = _tree(srv.pid)
-        assert len(_cores(srv.pid)) == 1, _describe(tree)
+        assert len(_cores(srv.pid)) == 1, describe(tree)
         stream = Stream(srv, _completion_body("Once upon a time", 64)).start()
         _wait_first([stream])
         _sigterm_while_streaming(srv, stream)
         stream.join()
         stream.assert_completed(64)
         assert srv.wait(STOP_WITHIN_S) == 0, srv.log_tail()
-        _assert_all_gone(tree)
+        wait_gone(tree)
