@@ -57,8 +57,13 @@ from pagedllm.distributed.placement import RankPlacement, weight_selection
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.loader import load_checkpoint
-from pagedllm.worker.parallel_executor import ParallelExecutor, check_config, read_model_config
+from pagedllm.model.loader import TensorSelector, load_checkpoint
+from pagedllm.worker.parallel_executor import (
+    ParallelExecutor,
+    check_config,
+    model_weight_bytes,
+    read_model_config,
+)
 
 logger = logging.getLogger("pagedllm.bench")
 
@@ -145,7 +150,7 @@ def _layer_bytes(weights: dict[str, Any]) -> dict[int, int]:
 
 
 def rank_weight_bytes(
-    load: Callable[[Callable[[str, tuple[int, ...]], tuple[slice, ...] | None]], dict[str, Any]],
+    load: Callable[[TensorSelector], dict[str, Any]],
     cfg: ModelConfig,
     placement: RankPlacement,
     full_bytes: int,
@@ -205,7 +210,7 @@ def memory_check(
     too, whose bound adds the rotary tables."""
     keep = config.quantization != "none"
 
-    def load(select: Callable[[str, tuple[int, ...]], tuple[slice, ...] | None] | None) -> dict[str, Any]:
+    def load(select: TensorSelector | None) -> dict[str, Any]:
         return dict(
             load_checkpoint(config.model, config.tokenizer, keep_quantized=keep, select=select).weights
         )
@@ -248,13 +253,12 @@ def memory_check(
 
 
 def resident_bytes(engine: LLMEngine) -> tuple[int, int]:
-    """Bytes of the parameters and buffers of ``engine``'s model, counted as
-    :meth:`ParallelExecutor.resident_weight_bytes` counts them (it reads only ``runner.model``), and
-    those of its rotary tables among them (every rank holds them whole)."""
-    count = ParallelExecutor.resident_weight_bytes
+    """Bytes of ``engine``'s model weights (:func:`model_weight_bytes`, as
+    :meth:`ParallelExecutor.resident_weight_bytes` counts a rank's), and those of its rotary tables
+    among them (every rank holds them whole)."""
     model = engine.runner.model
     tables = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.startswith("rotary."))
-    return int(count(engine.executor)), tables  # type: ignore[arg-type]
+    return model_weight_bytes(model), tables
 
 
 def _timed_run(

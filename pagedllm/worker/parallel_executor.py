@@ -102,6 +102,24 @@ def check_config(config: EngineConfig) -> ModelConfig:
     return model_config
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers, GGUF blocks of its quantized layers included, each
+    storage counted once (weights in every form; no KV cache)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    for module in model.modules():
+        for part in getattr(module, "parts", None) or []:
+            blocks = getattr(part, "blocks", None)
+            if isinstance(blocks, torch.Tensor) and blocks.data_ptr() not in seen:
+                seen.add(blocks.data_ptr())
+                total += blocks.numel()
+    return total
+
+
 def _rank_device(config: EngineConfig, rank: int) -> torch.device:
     device = resolve_device(config.device)
     if device.type == "cuda":
@@ -250,23 +268,8 @@ class ParallelExecutor(Executor):
         return runner
 
     def resident_weight_bytes(self) -> int:
-        """Bytes of this rank's parameters and buffers (weights in every form; no KV cache)."""
-        model = self.runner.model
-        seen: set[int] = set()
-        total = 0
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-        for module in model.modules():
-            parts = getattr(module, "parts", None)
-            for part in parts or []:
-                blocks = getattr(part, "blocks", None)
-                if isinstance(blocks, torch.Tensor) and blocks.data_ptr() not in seen:
-                    seen.add(blocks.data_ptr())
-                    total += blocks.numel()
-        return total
+        """Bytes of this rank's weights (:func:`model_weight_bytes` of its model)."""
+        return model_weight_bytes(self.runner.model)
 
     def shutdown(self, failed: bool = False) -> None:
         """Stop every rank this driver started (a SHUTDOWN command, then a bounded wait, then kill;

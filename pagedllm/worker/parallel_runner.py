@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pagedllm.attention.base import AttentionMetadata
 from pagedllm.core.scheduler import plan_micro_batches
 from pagedllm.distributed.groups import ParallelGroups
 from pagedllm.distributed.layers import parallelize
@@ -118,9 +119,10 @@ class ParallelModelRunner(ModelRunner):
         logger.info("CUDA graphs are off on tensor/pipeline-parallel ranks; running eagerly.")
 
     # -- the step, on every rank ------------------------------------------------------------
-    def _stage_forward(self, step: StepTensors, meta_device: torch.device) -> torch.Tensor | None:
+    def _stage_forward(self, step: StepTensors, meta: AttentionMetadata | None = None) -> torch.Tensor | None:
         """This stage's layers over the step, micro-batch by micro-batch; the final hidden states on
-        the last stage, None elsewhere."""
+        the last stage, None elsewhere. ``meta``: the whole step's metadata when the caller has it
+        (the driver), used as is when the step is one micro-batch."""
         assert self.kv_cache is not None, "KV cache not allocated"
         p = self.placement
         device = self.device
@@ -140,7 +142,8 @@ class ParallelModelRunner(ModelRunner):
                 step.seq_lens[start:stop],
                 step.block_tables[start:stop],
             )
-            ctx = ForwardContext(part.metadata(meta_device), self.kv_cache.layers, self.backend)
+            part_meta = meta if meta is not None and len(batches) == 1 else part.metadata(device)
+            ctx = ForwardContext(part_meta, self.kv_cache.layers, self.backend)
             carried = None
             if not p.is_first_stage:
                 x = torch.empty(t1 - t0, hidden_size, dtype=self.dtype, device=device)
@@ -204,7 +207,7 @@ class ParallelModelRunner(ModelRunner):
             meta.block_tables.cpu(),
         )
         self.channel.send_forward(step)
-        self.hidden = self._stage_forward(step, self.device)
+        self.hidden = self._stage_forward(step, meta)
         # The driver of a pipeline holds no final hidden states: rows are asked by index.
         return self.hidden if self.hidden is not None else torch.empty(step.input_ids.numel(), 0)
 
@@ -229,7 +232,7 @@ class ParallelModelRunner(ModelRunner):
             command = self.channel.receive()
             if command.kind == FORWARD:
                 assert command.step is not None
-                self.hidden = self._stage_forward(command.step, self.device)
+                self.hidden = self._stage_forward(command.step)
             elif command.kind == LOGITS:
                 assert command.rows is not None
                 self._stage_logits(command.rows)
