@@ -39,6 +39,8 @@ class EngineConfig:
     ``tensor_parallel_size`` x ``pipeline_parallel_size`` ranks run one model (Megatron-style tensor
     shards, consecutive layers per pipeline stage), ``(tp x pp) / nnodes`` per machine; machines meet
     at ``master_addr:master_port`` (torch.distributed's TCP rendezvous) and node 0 runs the engine.
+    ``pipeline_layer_partition`` gives each stage's number of layers (``"18,12"``); by default they are
+    balanced by their work, the LM head's counted on the first stage.
     ``distributed_executor_backend`` places the ranks: ``mp`` (processes started here) or ``ray`` (a
     Ray placement group). A collective that waits longer than ``distributed_timeout_s`` fails the step.
     """
@@ -52,6 +54,7 @@ class EngineConfig:
     tokenizer: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priority, lower first)
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -81,10 +84,13 @@ class EngineConfig:
     master_port: int = 0  # 0: a free port (single node only)
     distributed_executor_backend: str = "mp"
     distributed_timeout_s: float = 120.0
+    pipeline_layer_partition: str | None = None  # "18,12": layers per pipeline stage
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -124,6 +130,8 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}."
             )
+        if self.pipeline_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ValueError("pipeline_layer_partition applies to pipeline_parallel_size > 1.")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

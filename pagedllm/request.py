@@ -119,6 +119,8 @@ class Request:
     max_tokens: int
     eos_token_ids: list[int]
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # under the priority scheduling policy: lower values run first
+    arrival_order: int = 0  # set by the scheduler: breaks ties between equal priorities
     prompt: str | None = None
     parent_id: str | None = None  # set for the n > 1 children of one prompt
     index: int = 0  # index among the parent's n sequences

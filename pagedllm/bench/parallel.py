@@ -16,9 +16,9 @@ Memory: each rank's weights are read in this process as its executor reads them
 none``), plus the zero vocabulary rows its runner appends; no rank process is started for it. Each
 rank's bytes are held to ``full / N`` (the whole checkpoint's bytes over the ``N`` ranks) plus the
 replicated parts it holds: norm weights, K/V projection rows when there are fewer KV heads than
-tensor-parallel ranks, a tied embedding (held by the first and the last pipeline stage), the
-vocabulary padding, and the excess of its stage's layers over an even share when the stages' layers
-differ in size. Rank 0's parameters as the running engine holds them
+tensor-parallel ranks, the vocabulary padding, and, for a pipeline stage, the excess of its part of
+the model (its layers, and for the first stage the vocabulary: embedding and LM head) over an even
+share, since stages are balanced by work, not bytes. Rank 0's parameters as the running engine holds them
 (``ParallelExecutor.resident_weight_bytes``) are held to the single-rank engine's over ``N`` plus
 the same replicated parts.
 
@@ -62,6 +62,7 @@ from pagedllm.worker.parallel_executor import (
     ParallelExecutor,
     check_config,
     model_weight_bytes,
+    placement_of,
     read_model_config,
 )
 
@@ -134,8 +135,6 @@ def _replicated_kind(cfg: ModelConfig, placement: RankPlacement, name: str) -> s
     kv_rows = (".self_attn.k_proj.", ".self_attn.v_proj.")
     if any(part in name for part in kv_rows) and cfg.num_key_value_heads < placement.tp_size:
         return "replicated_kv_heads"
-    if name == "model.embed_tokens.weight" and cfg.tie_word_embeddings and placement.pp_size > 1:
-        return "tied_embedding"
     return None
 
 
@@ -155,15 +154,16 @@ def rank_weight_bytes(
     placement: RankPlacement,
     full_bytes: int,
     layer_bytes: dict[int, int],
+    vocab_bytes: int,
 ) -> dict[str, Any]:
     """One rank's weight bytes (its checkpoint shard plus vocabulary padding) and their bound.
 
-    ``load(select)`` reads the checkpoint's tensors through a selector; ``full_bytes`` and
-    ``layer_bytes`` describe the whole checkpoint."""
+    ``load(select)`` reads the checkpoint's tensors through a selector; ``full_bytes``,
+    ``layer_bytes`` and ``vocab_bytes`` (embedding and LM head) describe the whole checkpoint."""
     world = placement.world_size
     weights = load(lambda name, shape: weight_selection(cfg, placement, name))
     vocab = placement.vocab_range(cfg.vocab_size)
-    replicated: dict[str, int] = {"norms": 0, "replicated_kv_heads": 0, "tied_embedding": 0}
+    replicated: dict[str, int] = {"norms": 0, "replicated_kv_heads": 0}
     held = padding = 0
     for name, weight in weights.items():
         size = tensor_bytes(weight)
@@ -177,10 +177,10 @@ def rank_weight_bytes(
     del weights
     gc.collect()
     stage = placement.layer_range(cfg.num_hidden_layers)
-    stage_share = sum(layer_bytes.get(i, 0) for i in stage) / placement.tp_size
-    uneven = max(0.0, stage_share - sum(layer_bytes.values()) / world)
+    stage_bytes = sum(layer_bytes.get(i, 0) for i in stage) + (vocab_bytes if placement.is_first_stage else 0)
+    uneven = max(0.0, stage_bytes / placement.tp_size - (sum(layer_bytes.values()) + vocab_bytes) / world)
     replicated["vocab_padding"] = padding
-    replicated["uneven_layers"] = int(uneven)
+    replicated["uneven_stage"] = int(uneven)
     allowance = sum(replicated.values())
     bound = full_bytes / world + allowance
     total = held + padding
@@ -199,8 +199,6 @@ def rank_weight_bytes(
 
 def memory_check(
     config: EngineConfig,
-    tp: int,
-    pp: int,
     driver_resident: int | None = None,
     single_resident: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
@@ -224,24 +222,25 @@ def memory_check(
         }
     )
     layer_bytes = _layer_bytes(full)
+    vocab_bytes = sum(tensor_bytes(full[name]) for name in _VOCAB_TENSORS if name in full)
     cfg = read_model_config(config.model)  # as the executors read it
     del full
     gc.collect()
     ranks = [
-        rank_weight_bytes(load, cfg, RankPlacement(rank, tp, pp), full_bytes, layer_bytes)
-        for rank in range(tp * pp)
+        rank_weight_bytes(load, cfg, placement_of(config, cfg, rank), full_bytes, layer_bytes, vocab_bytes)
+        for rank in range(config.world_size)
     ]
     result: dict[str, Any] = {
         "weights": " and ".join(forms),
         "full_bytes": full_bytes,
-        "world_size": tp * pp,
+        "world_size": config.world_size,
         "ranks": ranks,
         "all_ok": all(r["ok"] for r in ranks),
     }
     if driver_resident is not None and single_resident is not None:
         single, tables = single_resident
         allowance = sum(ranks[0]["replicated_bytes"].values()) + tables
-        bound = single / (tp * pp) + allowance
+        bound = single / config.world_size + allowance
         result["driver_resident"] = {
             "bytes": driver_resident,
             "single_rank_bytes": single,
@@ -302,18 +301,25 @@ def _run(args: argparse.Namespace) -> int:
     try:
         set_num_threads(args.num_threads)
         single_threads = args.num_threads or os.cpu_count() or 1
-        base = EngineConfig.from_cli_args(args, tensor_parallel_size=1, pipeline_parallel_size=1)
+        base = EngineConfig.from_cli_args(
+            args, tensor_parallel_size=1, pipeline_parallel_size=1, pipeline_layer_partition=None
+        )
         tp, pp, chosen = parallel_sizes(args, base)
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
-    parallel_config = dataclasses.replace(base, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    parallel_config = dataclasses.replace(
+        base,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        pipeline_layer_partition=args.pipeline_layer_partition,
+    )
     world = tp * pp
     label = f"{world} ranks (TP {tp} x PP {pp})"
     if chosen != "given":
         print(f"Ranks: {chosen}.")
     if args.memory_only:
-        checked = memory_check(base, tp, pp)
+        checked = memory_check(parallel_config)
         _print_memory(checked)
         if args.output_json:
             sizes = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "world_size": world}
@@ -380,7 +386,7 @@ def _run(args: argparse.Namespace) -> int:
     same = _same_tokens(first, parallel_run)
     torch.set_num_threads(single_threads)  # as the machine description should say
 
-    memory = memory_check(base, tp, pp, driver_resident, single_resident) if args.memory_check else None
+    memory = memory_check(parallel_config, driver_resident, single_resident) if args.memory_check else None
     _print_report(single, parallel, label, speedup, same, memory)
     if args.output_json:
         write_json(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -19,6 +20,12 @@ class SchedulerConfig:
     # requests take no KV blocks.
     whole_prompts: bool = False
     uses_kv_cache: bool = True
+    # Steps in flight through pipeline stages at once. Above 1, a request is in at most one of them
+    # (one with a pending token waits for it) and a step takes at most ceil(unfinished / this)
+    # requests, so consecutive steps hold disjoint groups of about equal size.
+    interleaved_steps: int = 1
+    # "fcfs", or "priority": requests in order of (priority, arrival), lower values first.
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -49,19 +56,25 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes.
 
-    Queues: ``waiting`` (FCFS; preempted requests re-enter at its front) and ``running`` (in
-    admission order, so the newest is last and is the first to be preempted). A request is in at
-    most one queue; finished and aborted requests are in none and hold no blocks.
+    Queues: ``waiting`` and ``running``, each in the policy's order. FCFS: ``waiting`` by arrival
+    (preempted requests re-enter at its front), ``running`` by admission (the newest last).
+    Priority: both by ``(priority, arrival)``, lower priority values first. A request is in at most
+    one queue; finished and aborted requests are in none and hold no blocks.
 
     Each step: running requests first (a decode costs 1 token; an unfinished prefill continues in
     chunks), then waiting requests fill the remaining token budget, under ``max_num_seqs``. When
-    blocks run out, the newest running request is preempted by recompute: its blocks are freed and
-    it goes back to the front of ``waiting`` (its cached full blocks usually survive).
+    blocks run out, the last running request (the newest; under priority, the least urgent) is
+    preempted by recompute: its blocks are freed and it goes back to ``waiting`` (its cached full
+    blocks usually survive). Under priority, waiting requests more urgent than the least urgent
+    running one are admitted before the running requests are scheduled, preempting less urgent
+    running requests when there is no room (blocks or ``max_num_seqs``) for them.
 
     Scheduling ahead: a request may hold ``num_pending_tokens`` sampled by a step still in flight.
     A running one then decodes its pending token (the model runner takes its id from the device),
     unless those tokens already reach ``max_tokens``; a waiting one (preempted while in flight) is
-    not admitted until its pending token has reached the host.
+    not admitted until its pending token has reached the host. With ``interleaved_steps`` above 1
+    (pipeline stages, each on a different step) a running request with a pending token is skipped
+    instead: the stage that embeds its next token runs before that token is sampled.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -69,13 +82,27 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._arrivals = itertools.count()  # arrival order, which breaks ties between priorities
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.arrival_order = next(self._arrivals)
+        self._insert(self.waiting, request)
+
+    def _insert(self, queue: deque[Request] | list[Request], request: Request) -> None:
+        """Append ``request`` (FCFS), or insert it after every request of its priority or a more
+        urgent one (priority: the queue stays ordered by ``(priority, arrival)``)."""
+        if self.config.policy != "priority":
+            queue.append(request)
+            return
+        key = (request.priority, request.arrival_order)
+        at = len(queue)
+        while at > 0 and (queue[at - 1].priority, queue[at - 1].arrival_order) > key:
+            at -= 1
+        queue.insert(at, request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,25 +142,59 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.config.policy == "priority":
+            self._insert(self.waiting, request)
+        else:
+            self.waiting.appendleft(request)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        groups = self.config.interleaved_steps
+        most = -(-(len(self.running) + len(self.waiting)) // groups)  # requests in this step
+        scheduled: set[str] = set()
 
-        # 1. Running requests, oldest first.
+        # 0. Priority: waiting requests more urgent than the least urgent running one come first, and
+        #    may preempt less urgent running requests to get in.
+        if self.config.policy == "priority":
+            idx = 0
+            while idx < len(self.waiting) and budget > 0 and len(out.scheduled_requests) < most:
+                request = self.waiting[idx]
+                if self.running and request.priority >= self.running[-1].priority:
+                    break  # no running request is less urgent: the usual admission below
+                if request.waits_for_leader or request.num_pending_tokens:
+                    idx += 1
+                    continue
+                num_new = self._admit(out, idx, budget)
+                while num_new is None and self.running and self.running[-1].priority > request.priority:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    num_new = self._admit(out, idx, budget)
+                if num_new is None:
+                    break
+                scheduled.add(request.request_id)
+                budget -= num_new
+
+        # 1. Running requests, in the policy's order.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled_requests) < most:
             request = self.running[i]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if num_new <= 0 or (request.num_pending_tokens and request.reaches_length_with_pending):
+            pending = request.num_pending_tokens
+            if (
+                num_new <= 0
+                or request.request_id in scheduled
+                or (pending and (groups > 1 or request.reaches_length_with_pending))
+            ):
                 i += 1
                 continue
             while self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(request, num_new):
-                # The newest running request is never one already scheduled this step: those are
-                # older (earlier in ``running``) than the request being scheduled.
-                victim = self.running[-1]
+                # The last running request not yet scheduled this step: it comes after the request
+                # being scheduled in ``running`` (the requests scheduled before it come earlier, or
+                # got in first, in step 0), or is that request.
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -148,33 +209,43 @@ class Scheduler:
         # 2. Waiting requests fill the rest (not in a step that had to preempt).
         if not out.preempted:
             idx = 0
-            while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while idx < len(self.waiting) and budget > 0 and len(out.scheduled_requests) < most:
                 request = self.waiting[idx]
                 if request.waits_for_leader or request.num_pending_tokens:
                     idx += 1
                     continue
-                computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_cached, budget)
-                if self.config.whole_prompts and num_new < request.num_tokens - num_cached:
-                    break  # the rest of the prompt waits for a step with room for all of it
-                if self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(
-                    request, num_new, computed
-                ):
+                num_new = self._admit(out, idx, budget)
+                if num_new is None:
                     break
-                del self.waiting[idx]
-                request.num_computed_tokens = num_cached
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_cached
-                    self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.monotonic()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                self._schedule(out, request, num_new)
                 budget -= num_new
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _admit(self, out: SchedulerOutput, idx: int, budget: int) -> int | None:
+        """Move ``waiting[idx]`` to ``running`` and schedule up to ``budget`` of its tokens (after its
+        cached prefix); returns how many, or None (nothing changed) when there is no room for it:
+        ``max_num_seqs`` running, too few free blocks, or too little budget for a whole prompt."""
+        request = self.waiting[idx]
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_cached, budget)
+        if self.config.whole_prompts and num_new < request.num_tokens - num_cached:
+            return None  # the rest of the prompt waits for a step with room for all of it
+        if self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(request, num_new, computed):
+            return None
+        del self.waiting[idx]
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self._insert(self.running, request)
+        self._schedule(out, request, num_new)
+        return num_new
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
         out.scheduled_requests.append(ScheduledRequest(request, num_tokens))

@@ -2,9 +2,11 @@
 
 Every rank calls :func:`init_groups` with the same arguments but its own rank. The world group uses
 NCCL between GPUs and gloo on CPUs; a second gloo group over the same ranks carries the driver's
-commands and step inputs (host tensors) whatever the device. Each pipeline stage's ranks form a
+collectives on host tensors whatever the device, and a third carries the driver's commands and step
+inputs (:mod:`pagedllm.distributed.step_channel`). Each pipeline stage's ranks form a
 tensor-parallel group. Every collective fails after ``timeout_s`` instead of waiting forever on a
-rank that died or hangs.
+rank that died or hangs, except a rank's wait for the driver's next command, which lasts as long as
+the engine is idle (the command group's timeout is a year).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch.distributed as dist
 
 from pagedllm.distributed.placement import RankPlacement
 
+# A rank waits this long for the driver's next command: an idle engine must not time its ranks out.
+COMMAND_TIMEOUT = datetime.timedelta(days=365)
+
 
 @dataclass
 class ParallelGroups:
@@ -25,7 +30,8 @@ class ParallelGroups:
 
     placement: RankPlacement
     device: torch.device
-    control: dist.ProcessGroup  # gloo over every rank: commands and step inputs from the driver
+    control: dist.ProcessGroup  # gloo over every rank: the driver's bounded collectives (KV block count)
+    commands: dist.ProcessGroup  # gloo over every rank, no timeout: the driver's step channel
     tp_group: dist.ProcessGroup | None  # this stage's ranks; None when tp_size == 1
     timeout_s: float
 
@@ -80,13 +86,14 @@ def init_groups(
     )
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     assert control is not None
+    commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     tp_group = None
     for stage in range(placement.pp_size):
         # Every rank creates every group, in the same order (torch.distributed requires it).
         group = dist.new_group(placement.stage_ranks(stage), timeout=timeout)
         if stage == placement.pp_rank and placement.tp_size > 1:
             tp_group = group
-    return ParallelGroups(placement, device, control, tp_group, timeout_s)
+    return ParallelGroups(placement, device, control, commands, tp_group, timeout_s)
 
 
 def close_groups() -> None:

@@ -13,9 +13,10 @@ samples. Within a tensor-parallel group of ``tp`` ranks, rank ``r`` holds
   zero past ``V``;
 - every norm weight (replicated).
 
-Pipeline stage ``s`` of ``pp`` holds layers ``[s * L / pp, (s + 1) * L / pp)``; the first stage the
-embedding, the last the LM head (and, when tied to the LM head, the embedding rows); every stage the
-final norm's weight (a vector).
+Pipeline stages hold consecutive layers (:func:`pipeline_layer_counts`: as given, or balanced by
+their work, the LM head's counted on the first stage); the first stage also holds the vocabulary (the
+embedding and the LM head: one table when tied; the last stage sends the final hidden states back to
+it); every stage the final norm's weight (a vector).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class RankPlacement:
     rank: int
     tp_size: int
     pp_size: int
+    layer_counts: tuple[int, ...] = ()  # layers of each pipeline stage; () splits them evenly
 
     @property
     def tp_rank(self) -> int:
@@ -73,7 +75,11 @@ class RankPlacement:
     def layer_range(self, num_layers: int) -> range:
         """The global indices of this stage's layers."""
         s, pp = self.pp_rank, self.pp_size
-        return range(num_layers * s // pp, num_layers * (s + 1) // pp)
+        if not self.layer_counts:
+            return range(num_layers * s // pp, num_layers * (s + 1) // pp)
+        assert sum(self.layer_counts) == num_layers and len(self.layer_counts) == pp
+        start = sum(self.layer_counts[:s])
+        return range(start, start + self.layer_counts[s])
 
     def vocab_range(self, vocab_size: int) -> range:
         """The vocabulary rows this rank holds; the last shard may run past ``vocab_size`` (zero rows)."""
@@ -81,8 +87,11 @@ class RankPlacement:
         return range(self.tp_rank * per, (self.tp_rank + 1) * per)
 
 
-def check_parallel(cfg: ModelConfig, tp: int, pp: int, *, task: str = "generate") -> None:
-    """Raise ValueError, naming the setting, unless ``cfg`` splits into ``tp`` x ``pp`` ranks."""
+def check_parallel(
+    cfg: ModelConfig, tp: int, pp: int, *, task: str = "generate", partition: str | None = None
+) -> None:
+    """Raise ValueError, naming the setting, unless ``cfg`` splits into ``tp`` x ``pp`` ranks (with
+    the stages' layer ``partition`` when given)."""
     if tp == 1 and pp == 1:
         return
     if task == "embed":
@@ -105,6 +114,45 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, *, task: str = "generate"
         raise ValueError(f"tensor_parallel_size {tp} does not divide the MLP width {inter}.")
     if pp > cfg.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {cfg.num_hidden_layers} layers.")
+    if partition is not None:
+        pipeline_layer_counts(cfg, pp, partition)
+
+
+def pipeline_layer_counts(cfg: ModelConfig, pp: int, partition: str | None = None) -> tuple[int, ...]:
+    """Layers of each of ``pp`` stages: ``partition`` (``"18,12"``) when given, else consecutive runs
+    whose work is as even as it can be, the LM head's counted on the first stage (on a small model it
+    weighs as much as several layers). Work is counted in multiply-adds per token, the LM head's at a
+    quarter: it runs on one row per request and step (the layers on every prompt token as well), and
+    its one large matrix product runs nearer the machine's peak; on the CPU the default model's best
+    split of 2 stages measured 14 / 16 layers, which this gives."""
+    layers = cfg.num_hidden_layers
+    if partition is not None:
+        try:
+            counts = tuple(int(part) for part in partition.split(","))
+        except ValueError:
+            counts = ()
+        if len(counts) != pp or sum(counts) != layers or min(counts) < 1:
+            raise ValueError(
+                f"pipeline_layer_partition {partition!r}: give {pp} positive layer counts (one per pipeline "
+                f"stage, comma-separated) that add up to the model's {layers} layers."
+            )
+        return counts
+    h, d = cfg.hidden_size, cfg.head_dim
+    layer = (
+        h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * cfg.intermediate_size
+    )
+    head = cfg.vocab_size * h / layer / 4  # the LM head, in layers
+    counts_list: list[int] = []
+    done = 0
+    for stage in range(pp):
+        left = pp - stage - 1
+        extra = head if stage == 0 else 0.0
+        # This stage's share of the work left (the head's included while the first stage is open).
+        share = (layers - done + extra) / (left + 1) - extra
+        take = layers - done if not left else max(1, min(layers - done - left, round(share)))
+        counts_list.append(take)
+        done += take
+    return tuple(counts_list)
 
 
 def local_model_config(cfg: ModelConfig, placement: RankPlacement) -> ModelConfig:
@@ -156,11 +204,8 @@ def weight_selection(cfg: ModelConfig, placement: RankPlacement, name: str) -> t
         return ()  # norms: replicated
     vocab = placement.vocab_range(cfg.vocab_size)
     vocab_rows = (slice(vocab.start, min(vocab.stop, cfg.vocab_size)),)
-    if name == "model.embed_tokens.weight":
-        keep = placement.is_first_stage or (placement.is_last_stage and cfg.tie_word_embeddings)
-        return vocab_rows if keep else None
-    if name == "lm_head.weight":
-        return vocab_rows if placement.is_last_stage else None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_rows if placement.is_first_stage else None
     return ()  # the final norm: replicated (every stage's model has it; the last uses it)
 
 

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,11 +26,10 @@ from pagedllm.model.tokenizer import render_chat
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
-from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
 from pagedllm.worker.executor import Executor
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, StepSamples
 from pagedllm.worker.phase_times import StepPhaseTimes
 
 if TYPE_CHECKING:
@@ -39,6 +39,17 @@ logger = logging.getLogger("pagedllm")
 
 # Environment variable naming an engine step that fails on purpose (for tests of engine death).
 FAULT_INJECTION_ENV = "PAGEDLLM_INJECT_FAULT_AT_STEP"
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """Raise ValueError naming ``priority`` unless it is an integer the policy accepts."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}.")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority {priority}: requests have priorities under scheduling_policy 'priority' only "
+            f"(this engine runs {policy!r}; start it with --scheduling-policy priority)."
+        )
 
 
 def _freeze_startup_objects() -> None:
@@ -63,7 +74,7 @@ class LaunchedStep:
 
     scheduler_output: SchedulerOutput
     rows: list[int]
-    sampled: DeviceSamples | None
+    sampled: StepSamples | None
 
     @property
     def can_run_ahead(self) -> bool:
@@ -79,7 +90,9 @@ class LLMEngine:
 
     With ``async_scheduling`` a step is scheduled and launched before the previous step's tokens are
     on the host (at most one step is in flight): each ``step`` launches step k + 1, then resolves
-    step k (detokenization, stop checks, outputs) while the device computes. Requests in flight hold
+    step k (detokenization, stop checks, outputs) while the device computes. Over ``p`` pipeline
+    stages ``p - 1`` steps stay in flight, each holding a different group of requests, so that every
+    stage works on a step (``SchedulerConfig.interleaved_steps``). Requests in flight hold
     ``num_pending_tokens``; one that finishes on a token found at resolution (EOS, a stop string)
     has one more token computed by the step already launched, which is dropped. A step whose
     requests need their latest token on the host to sample the next (see
@@ -126,10 +139,19 @@ class LLMEngine:
         self.eos_token_ids = list(executor.model_config.eos_token_ids)
         self.max_model_len = executor.max_model_len
         self.device = executor.device
+        # On by default where it pays: a GPU computes while the host schedules, and pipeline stages
+        # work on different steps.
         self.async_scheduling = (
-            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.device.type == "cuda" or config.pipeline_parallel_size > 1
         ) and self.task == "generate"
-        self._in_flight: LaunchedStep | None = None
+        # Steps launched back to back that the executor's pipeline stages run at once (1: none).
+        interleaved = (
+            executor.interleave_steps() if self.async_scheduling and isinstance(executor, Executor) else 1
+        )
+        self.max_in_flight = max(1, interleaved - 1)  # steps left in flight when step() returns
+        self._in_flight: deque[LaunchedStep] = deque()  # oldest first
         # Test hook: the N-th step raises inside its launch, as a failing forward would.
         self._fault_at_step = int(os.environ.get(FAULT_INJECTION_ENV) or 0)
         num_blocks = executor.num_kv_blocks
@@ -179,6 +201,8 @@ class LLMEngine:
                 executor.max_num_batched_tokens,
                 whole_prompts=self.task == "embed",
                 uses_kv_cache=not encoder,
+                interleaved_steps=interleaved,
+                policy=config.scheduling_policy,
             ),
             self.kv_cache_manager,
         )
@@ -237,10 +261,14 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request: SamplingParams for a generate engine, PoolingParams for an
-        embed engine (None means the defaults of either). Raises ValueError (changing nothing) on bad
-        input or on parameters of the other task."""
+        embed engine (None means the defaults of either). ``priority`` orders requests under the
+        ``priority`` scheduling policy (lower first; any other value than 0 is refused under
+        ``fcfs``). Raises ValueError (changing nothing) on bad input or on parameters of the other
+        task."""
+        check_priority(priority, self.scheduler.config.policy)
         if self.task == "embed":
             if isinstance(params, SamplingParams):
                 how = "a decoder model" if isinstance(self.executor, EncoderExecutor) else "this model"
@@ -251,6 +279,7 @@ class LLMEngine:
             if request_id in self.output_processor.parents:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             request = self.pooling.make_request(request_id, prompt, params or PoolingParams(), arrival_time)
+            request.priority = priority
             self.scheduler.add_request(request)
             return
         if isinstance(params, PoolingParams):
@@ -271,6 +300,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r}: sequence id {in_use[0]!r} is already in use.")
         self.output_processor.add_request(request_id, processed.prompt, processed.sequences)
         for req in processed.sequences:
+            req.priority = priority
             self.scheduler.add_request(req)
 
     @property
@@ -291,7 +321,7 @@ class LLMEngine:
         self._settle()
 
     def has_unfinished_requests(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         pooling = len(self.pooling.requests) if self.task == "embed" else 0
@@ -306,21 +336,18 @@ class LLMEngine:
         """
         if self.task == "embed":
             raise ValueError("This engine runs task 'embed': its steps are run by step_pooling().")
-        previous, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         outputs: list[RequestOutput] = []
-        if previous is not None and not previous.can_run_ahead:
-            outputs = self._resolve(previous)
-            previous = None
-        try:
-            launched = self._launch()
-        except BaseException:
-            self._in_flight = previous
-            raise
-        if previous is not None:
-            outputs += self._resolve(previous)
+        if self.scheduler.config.interleaved_steps == 1 and in_flight and not in_flight[-1].can_run_ahead:
+            outputs = self._resolve(in_flight.popleft())
+        launched = self._launch()
+        while in_flight and (len(in_flight) >= self.max_in_flight or launched is None):
+            outputs += self._resolve(in_flight.popleft())
+            if launched is None:
+                break  # nothing could be scheduled until the oldest step's tokens are in
         if launched is not None:
             if self.async_scheduling:
-                self._in_flight = launched
+                in_flight.append(launched)
                 self._settle()
             else:
                 outputs += self._resolve(launched)
@@ -356,14 +383,15 @@ class LLMEngine:
         return outputs
 
     def _settle(self) -> None:
-        """Resolve the step in flight once every request in it has finished (all its tokens would be
-        dropped), so that an engine without requests holds no step."""
-        step = self._in_flight
-        if step is not None and all(
-            scheduled.request.is_finished for scheduled in step.scheduler_output.scheduled_requests
+        """Resolve the steps in flight once every request in them has finished (all their tokens
+        would be dropped), so that an engine without requests holds no step."""
+        if all(
+            s.request.is_finished
+            for step in self._in_flight
+            for s in step.scheduler_output.scheduled_requests
         ):
-            self._in_flight = None
-            self._resolve(step)
+            while self._in_flight:
+                self._resolve(self._in_flight.popleft())
 
     def _launch(self) -> LaunchedStep | None:
         """Schedule a step and launch its forward and sampling (None when nothing is scheduled)."""
@@ -465,7 +493,7 @@ class LLMEngine:
     def check_idle(self) -> None:
         """Assert no request is left and every KV block is free (cached or not)."""
         assert not self.scheduler.has_unfinished_requests(), "requests still queued"
-        assert self._in_flight is None, "a step is still in flight"
+        assert not self._in_flight, "a step is still in flight"
         assert not self.output_processor.parents, "request state left behind"
         assert self.task != "embed" or not self.pooling.requests, "pooling request state left behind"
         self.kv_cache_manager.check_idle()

@@ -29,9 +29,8 @@ from pagedllm.model.bert import (
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
-from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.worker.cpu_memory import keep_freed_memory
-from pagedllm.worker.model_runner import resolve_device, resolve_dtype, to_device
+from pagedllm.worker.model_runner import StepSamples, resolve_device, resolve_dtype, to_device
 from pagedllm.worker.phase_times import StepPhaseTimes
 
 logger = logging.getLogger("pagedllm")
@@ -107,7 +106,7 @@ class EncoderExecutor:
 
     def launch(
         self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
-    ) -> tuple[list[int], DeviceSamples | None]:
+    ) -> tuple[list[int], StepSamples | None]:
         """Generation steps: an encoder has none (the engine runs task embed)."""
         raise ValueError(f"{self.model_name} is an encoder: it embeds and does not generate.")
 

@@ -23,9 +23,8 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
 from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
-from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
-from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagedllm.worker.model_runner import ModelRunner, StepSamples, resolve_device, resolve_dtype
 from pagedllm.worker.phase_times import StepPhaseTimes
 
 logger = logging.getLogger("pagedllm")
@@ -109,9 +108,14 @@ class Executor:
     def shutdown(self) -> None:
         """Release what the executor started (nothing for one in-process worker)."""
 
+    def interleave_steps(self) -> int:
+        """Let steps launched back to back run at once on the executor's pipeline stages, each
+        stage on a different step; returns the number of stages (1: steps run one after another)."""
+        return 1
+
     def launch(
         self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
-    ) -> tuple[list[int], DeviceSamples | None]:
+    ) -> tuple[list[int], StepSamples | None]:
         """Launch a step's forward and sampling: the rows that sample, and their tokens (on the device)."""
         return self.runner.launch(scheduler_output, times)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.quantization import install_gguf_blocks, quantize_float_linears
 from pagedllm.model.registry import model_class
 from pagedllm.outputs import Logprob
-from pagedllm.sample.sampler import DeviceSamples, Sampler, SamplingInputs
+from pagedllm.sample.sampler import DeviceSamples, SampledTokens, Sampler, SamplingInputs
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
@@ -75,6 +76,21 @@ class PreviousTokens:
 
     rows: dict[str, int]
     token_ids: torch.Tensor
+
+
+class DeferredSamples:
+    """A step's sampling, run when its tokens are asked for (:meth:`output`): a pipelined step's
+    logits reach the driver only after later steps were launched."""
+
+    def __init__(self, sample: Callable[[], DeviceSamples]) -> None:
+        self._sample = sample
+
+    def output(self) -> SampledTokens:
+        return self._sample().output()
+
+
+# What a launched step's sampled tokens are until they are asked for.
+StepSamples = DeviceSamples | DeferredSamples
 
 
 class ModelRunner:
@@ -427,10 +443,34 @@ class ModelRunner:
         times.forward += time.perf_counter() - started
         return pooled
 
+    def sample(
+        self, scheduler_output: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor
+    ) -> DeviceSamples:
+        """Sample the next token of ``sample_rows`` (rows of the scheduled requests) from their
+        ``logits``, with each request's grammar mask and sampling parameters."""
+        reqs = [scheduler_output.scheduled_requests[r].request for r in sample_rows]
+        # A grammar waiting for its start marker (StructuredOutputsParams.after) leaves its row free.
+        grammars = [r.grammar if r.grammar is not None and r.grammar.is_active else None for r in reqs]
+        masked_rows = [i for i, g in enumerate(grammars) if g is not None]
+        if masked_rows:
+            from pagedllm.structured.grammar import apply_grammar_bitmask  # xgrammar loads on first use
+
+            apply_grammar_bitmask(logits, grammars)
+        batch = SamplingInputs(
+            params=[r.params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[r.generator for r in reqs],
+            bad_words_token_ids=[r.bad_words_token_ids for r in reqs],
+            eos_token_ids=reqs[0].eos_token_ids,
+            masked_rows=masked_rows,
+        )
+        return self.sampler.sample(logits, batch)
+
     @torch.inference_mode()
     def launch(
         self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None
-    ) -> tuple[list[int], DeviceSamples | None]:
+    ) -> tuple[list[int], StepSamples | None]:
         """Run one step up to sampling without waiting for the device: returns (rows of
         ``so.scheduled`` that get a token, their tokens still on the device; None when no row samples).
 
@@ -449,27 +489,10 @@ class ModelRunner:
             logits = self.logits_of(hidden, inputs.logits_indices)
         sampling = time.perf_counter()
         times.forward += sampling - started
-        reqs = [scheduler_output.scheduled_requests[r].request for r in inputs.sample_rows]
-        # A grammar waiting for its start marker (StructuredOutputsParams.after) leaves its row free.
-        grammars = [r.grammar if r.grammar is not None and r.grammar.is_active else None for r in reqs]
-        masked_rows = [i for i, g in enumerate(grammars) if g is not None]
-        if masked_rows:
-            from pagedllm.structured.grammar import apply_grammar_bitmask  # xgrammar loads on first use
-
-            apply_grammar_bitmask(logits, grammars)
-        batch = SamplingInputs(
-            params=[r.params for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            generators=[r.generator for r in reqs],
-            bad_words_token_ids=[r.bad_words_token_ids for r in reqs],
-            eos_token_ids=reqs[0].eos_token_ids,
-            masked_rows=masked_rows,
-        )
-        sampled = self.sampler.sample(logits, batch)
-        self.previous_tokens = PreviousTokens(
-            {r.request_id: j for j, r in enumerate(reqs)}, sampled.token_ids
-        )
+        sampled = self.sample(scheduler_output, inputs.sample_rows, logits)
+        scheduled = scheduler_output.scheduled_requests
+        rows = {scheduled[r].request.request_id: j for j, r in enumerate(inputs.sample_rows)}
+        self.previous_tokens = PreviousTokens(rows, sampled.token_ids)
         sampled.copy_to_host()
         times.sample += time.perf_counter() - sampling
         return inputs.sample_rows, sampled

@@ -35,13 +35,17 @@ import torch.distributed as dist
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.groups import ParallelGroups, close_groups, free_port, init_groups
-from pagedllm.distributed.placement import RankPlacement, check_parallel, weight_selection
+from pagedllm.distributed.placement import (
+    RankPlacement,
+    check_parallel,
+    pipeline_layer_counts,
+    weight_selection,
+)
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
-from pagedllm.sample.sampler import DeviceSamples
 from pagedllm.utils import die_with_parent
 from pagedllm.worker.executor import Executor
-from pagedllm.worker.model_runner import resolve_device
+from pagedllm.worker.model_runner import StepSamples, resolve_device
 from pagedllm.worker.parallel_runner import ParallelModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 
@@ -88,7 +92,13 @@ def check_config(config: EngineConfig) -> ModelConfig:
     per_node = ranks_per_node(config)
     model_config = read_model_config(config.model)
     task = "embed" if config.task == "embed" else "generate"
-    check_parallel(model_config, config.tensor_parallel_size, config.pipeline_parallel_size, task=task)
+    check_parallel(
+        model_config,
+        config.tensor_parallel_size,
+        config.pipeline_parallel_size,
+        task=task,
+        partition=config.pipeline_layer_partition,
+    )
     device = resolve_device(config.device)
     if device.type == "cuda":
         present = torch.cuda.device_count()
@@ -100,6 +110,13 @@ def check_config(config: EngineConfig) -> ModelConfig:
     if config.distributed_executor_backend == "ray" and config.nnodes > 1:
         raise ValueError("distributed_executor_backend 'ray' places every rank itself: leave nnodes at 1.")
     return model_config
+
+
+def placement_of(config: EngineConfig, model_config: ModelConfig, rank: int) -> RankPlacement:
+    """Rank ``rank``'s place, with the stages' layer counts (:func:`pipeline_layer_counts`)."""
+    pp = config.pipeline_parallel_size
+    counts = pipeline_layer_counts(model_config, pp, config.pipeline_layer_partition)
+    return RankPlacement(rank, config.tensor_parallel_size, pp, counts)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -171,7 +188,7 @@ class ParallelExecutor(Executor):
     def __init__(self, config: EngineConfig, rank: int = 0, master_port: int | None = None) -> None:
         self.model_config_checked = check_config(config)
         self.rank = rank
-        self.placement = RankPlacement(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.placement = placement_of(config, self.model_config_checked, rank)
         self.processes: list[Any] = []
         self.ray_ranks: Any = None
         self._closed = False
@@ -246,9 +263,14 @@ class ParallelExecutor(Executor):
         free, total = torch.cuda.mem_get_info(self.device)
         return int(min(free, total * cfg.gpu_memory_utilization) * 0.9)
 
+    def interleave_steps(self) -> int:
+        stages = self.placement.pp_size
+        self.parallel_runner.pipelined = stages > 1
+        return stages
+
     def launch(
         self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
-    ) -> tuple[list[int], DeviceSamples | None]:
+    ) -> tuple[list[int], StepSamples | None]:
         """The step on every rank; if any rank fails (or a collective times out), every rank is
         stopped and the error raised: the ranks are out of step and cannot go on."""
         if self._closed:

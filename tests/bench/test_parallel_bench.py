@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -120,15 +121,18 @@ def test_memory_only_starts_nothing(tied_one_kv_head: str, tmp_path: Path) -> No
 def test_memory_check_of_a_pipeline_and_of_a_rank_holding_everything(
     tied_one_kv_head: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = EngineConfig(model=tied_one_kv_head)
-    memory = parallel_bench.memory_check(config, 2, 2)
+    config = EngineConfig(model=tied_one_kv_head, tensor_parallel_size=2, pipeline_parallel_size=2)
+    memory = parallel_bench.memory_check(config)
     assert memory["all_ok"] and len(memory["ranks"]) == 4
     for r in memory["ranks"]:
-        # Both stages hold the tied embedding's vocabulary rows (the first looks tokens up, the last
-        # computes logits with them).
-        assert r["replicated_bytes"]["tied_embedding"] > 0
         assert r["layers"] == ([0, 1] if r["pp_rank"] == 0 else [1, 2])
+    # The first stage holds the vocabulary (the tied embedding, which is also the LM head) beyond an
+    # even share; the last holds none of it.
+    first = [r for r in memory["ranks"] if r["pp_rank"] == 0]
+    last = [r for r in memory["ranks"] if r["pp_rank"] == 1]
+    assert all(r["replicated_bytes"]["uneven_stage"] > 0 for r in first)
+    assert min(r["bytes"] for r in first) > max(r["bytes"] for r in last)
     # A rank that loaded the whole checkpoint is caught.
     monkeypatch.setattr(parallel_bench, "weight_selection", lambda cfg, placement, name: ())
-    whole = parallel_bench.memory_check(config, 2, 1)
+    whole = parallel_bench.memory_check(dataclasses.replace(config, pipeline_parallel_size=1))
     assert not whole["all_ok"] and not any(r["ok"] for r in whole["ranks"])

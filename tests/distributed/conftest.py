@@ -17,8 +17,8 @@ from helpers.processes import alive, cmdline
 # The module every rank process other than the driver runs (``python -m ... SPEC``).
 RANK_MODULE = "pagedllm.worker.parallel_executor"
 
-# name -> (architecture, config overrides). Every model has 2 layers, vocabulary 49152 (divided by
-# 2, 3 and 4) and sharp random logits (initializer_range 0.2), so greedy ties are unlikely.
+# name -> (architecture, config overrides). Every model has 2 layers (but "llama4l"), vocabulary 49152
+# (divided by 2, 3 and 4) and sharp random logits (initializer_range 0.2), so greedy ties are unlikely.
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # 4 query / 2 KV heads, MLP 128: TP 2 splits the KV heads, TP 4 replicates each on 2 ranks.
     "llama": ("llama", {}),
@@ -27,8 +27,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "llama",
         {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1, "intermediate_size": 192},
     ),
-    # The LM head is the embedding: with PP, the last stage holds vocabulary rows of it too.
+    # The LM head is the embedding: with PP, the first stage uses it to look tokens up and for logits.
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    # 4 layers: 3 pipeline stages, and stages of chosen sizes.
+    "llama4l": ("llama", {"num_hidden_layers": 4}),
     # q/k/v biases.
     "qwen2": ("qwen2", {}),
     # q/k RMS norms, head_dim 32 (not hidden_size / heads).

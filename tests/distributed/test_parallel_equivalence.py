@@ -1,8 +1,9 @@
 """A model split over tensor- and pipeline-parallel ranks (CPU, gloo) generates what it generates on one
 rank: the same greedy tokens, top logprobs within 1e-4 (float32), the same prompt logprobs, and the
 same scheduling (preemptions, prefix-cache hits) under a small KV pool with chunked prefill and
-prefix caching on. Afterwards every KV block is free and, once the ``LLM`` is shut down, no rank
-process is left.
+prefix caching on (with pipeline stages, which run different steps at once, the steps come in
+another order: there, preemptions and prefix hits happen too). Afterwards every KV block is free
+and, once the ``LLM`` is shut down, no rank process is left.
 
 Each case starts one engine (its ranks are processes that import torch: a few seconds each) and
 checks everything on it.
@@ -126,7 +127,11 @@ def run_parallel_case(model: str | None, ref_key: str, tp: int, pp: int, procs: 
         outs, stats = generate(llm)
         label = f"TP {tp} x PP {pp}"
         assert_same_outputs(ref_outs, outs, label)
-        assert_same_schedule(ref_stats, stats)
+        if pp == 1:
+            assert_same_schedule(ref_stats, stats)
+        else:  # stages run different steps (two groups of requests): another order of steps
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+            assert stats.num_free_blocks == stats.num_kv_blocks
     except BaseException:
         llm.shutdown()
         raise

@@ -207,7 +207,7 @@ def test_abort_while_a_step_is_in_flight(async_llm: Any, sync_outputs: list[Requ
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    assert engine._in_flight is not None and any(
+    assert engine._in_flight and any(
         engine.scheduler.requests.get(rid) is not None and engine.scheduler.requests[rid].num_pending_tokens
         for rid in aborted
     ), "an aborted request has a token in flight"
@@ -245,7 +245,7 @@ def test_idle_after_the_last_request_stops_or_is_aborted(async_llm: Any) -> None
     engine.add_request("gone", "Roses are red,", SamplingParams(temperature=0, max_tokens=30))
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None
+    assert engine._in_flight
     engine.abort_request("gone")
     engine.check_idle()
     assert not engine.has_unfinished_requests() and engine.step() == []
