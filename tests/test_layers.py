@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"__init__", "__main__", "entrypoints", "bench"},
     {"engine"},
     {"core", "worker", "distributed"},
-    {"model", "sample", "structured"},
+    {"model", "sample", "spec", "structured"},
     {"attention"},
     {"kernels"},
 ]

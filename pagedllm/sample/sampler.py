@@ -339,6 +339,47 @@ class Sampler:
         _top_logprobs(result, raw, raw_logsumexp, sampled_raw)
         return result
 
+    def probabilities(self, logits: torch.Tensor, batch: SamplingInputs) -> torch.Tensor:
+        """The distribution :meth:`sample` draws each row's token from, as ``[rows, vocab]`` float32.
+
+        The logits processors run first, as in :meth:`sample`. A greedy row is one-hot on the argmax
+        of its processed logits; a random row is its temperature / top-k / top-p / min-p distribution
+        renormalised to sum to 1 (the same tensor :meth:`sample` draws from, before the draw). A row
+        whose processed logits leave no token (the rows :meth:`sample` reports as ``NO_TOKEN``) is
+        all zeros. Nothing is drawn, so no generator advances; ``logits`` is not modified.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}.")
+        num_rows, vocab_size = logits.shape
+        batch.check(num_rows)
+        params = batch.params
+        device = logits.device
+        raw = logits.float()
+        owned = any(needs_logits_processing(batch, i) for i in range(num_rows))
+        processed = raw.clone() if owned else raw
+        if owned:
+            apply_logits_processors(processed, batch)
+        no_token = ~torch.isfinite(processed.amax(dim=-1))
+
+        probs = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy_rows:
+            index = index_tensor(greedy_rows, device)
+            best = processed.index_select(0, index).max(dim=-1).indices
+            probs.index_put_((index, best), torch.ones(len(greedy_rows), device=device))
+        if len(random_rows) == num_rows:
+            probs = self._filtered_probs(processed, params, owned)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        elif random_rows:
+            index = index_tensor(random_rows, device)
+            filtered = self._filtered_probs(
+                processed.index_select(0, index), [params[i] for i in random_rows], owned=True
+            )
+            probs.index_copy_(0, index, filtered / filtered.sum(dim=-1, keepdim=True))
+        # Rows without a token hold NaN (softmax of all -inf) or a meaningless one-hot: zero them.
+        return probs.masked_fill_(no_token[:, None], 0.0)
+
     def _sample_random(
         self,
         logits: torch.Tensor,
@@ -350,6 +391,17 @@ class Sampler:
 
         ``owned``: ``logits`` is a private copy that may be scaled in place.
         """
+        probs = self._filtered_probs(logits, params, owned)
+        if probs.device.type == "cpu":
+            return inverse_cdf_sample(probs, generators)
+        noise = exponential_noise(probs.shape[0], probs.shape[1], generators, probs.device)
+        return probs.div_(noise).max(dim=-1).indices
+
+    def _filtered_probs(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], owned: bool
+    ) -> torch.Tensor:
+        """Temperature, softmax, then top-k, top-p and min-p: the distribution a random row is drawn
+        from, with the filtered tokens set to 0 and the rest not renormalised."""
         num_rows, vocab_size = logits.shape
         device = logits.device
         temperatures = [p.temperature for p in params]
@@ -382,11 +434,7 @@ class Sampler:
             )
         if thresholds is not None:
             probs.masked_fill_(probs < thresholds[:, None], 0.0)
-
-        if device.type == "cpu":
-            return inverse_cdf_sample(probs, generators)
-        noise = exponential_noise(num_rows, vocab_size, generators, device)
-        return probs.div_(noise).max(dim=-1).indices
+        return probs
 
 
 def _top_logprobs(
