@@ -15,6 +15,12 @@ when they only decode to text together.
 The client is :mod:`pagedllm.bench.serve_client`, the metrics and the printed report
 :mod:`pagedllm.bench.serve_report`.
 
+``--priority-mix LOW:HIGH`` measures priority scheduling (a server started with ``--scheduling-policy
+priority``): the workload has ``LOW + HIGH`` requests; the first ``LOW`` (priority 1) are sent together
+and saturate the server, and once they all stream the ``HIGH`` others (priority 0) arrive at
+``--request-rate``. The report adds each class's TTFT and the high/low ratio of the TTFT p50 and p90
+(:mod:`pagedllm.bench.serve_priority`).
+
 ``--compare-offline`` then runs the same requests through ``LLM.generate`` in this process, with the
 engine arguments given here (they should match the server's; ``max_num_seqs`` is capped at
 ``--max-concurrency`` so both batch alike), and reports the server's throughput as a percentage of
@@ -35,6 +41,13 @@ from typing import Any
 
 from pagedllm.bench.common import machine_info, now_iso, peak_rss_mib, set_num_threads, write_json
 from pagedllm.bench.serve_client import run_benchmark
+from pagedllm.bench.serve_priority import (
+    PriorityMix,
+    parse_priority_mix,
+    print_priority_report,
+    priority_report,
+    refusal_hint,
+)
 from pagedllm.bench.serve_report import (
     parse_slo,
     percent_of,
@@ -134,6 +147,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Service-level objectives for goodput (ttft, tpot, itl, e2el in milliseconds).",
     )
     group.add_argument(
+        "--priority-mix",
+        default=None,
+        metavar="LOW:HIGH",
+        help="Priority scheduling under load, against a server started with --scheduling-policy priority: "
+        "LOW + HIGH requests (this sets --num-prompts); the first LOW, of priority 1, are sent together "
+        "at the start; once every one of them is streaming (or one has ended) the HIGH others, of "
+        "priority 0, arrive at --request-rate. The report adds each class's TTFT p50/p90 and the ratio "
+        "high p90 / low p90 (e.g. 64:16: does an urgent request get its first token fast while 64 "
+        "streams run?). Not with --max-concurrency.",
+    )
+    group.add_argument(
         "--timeout", type=float, default=600.0, help="Per-request timeout in seconds (default 600)."
     )
     group.add_argument(
@@ -172,7 +196,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(engine_group)  # type: ignore[arg-type]
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def _check_args(args: argparse.Namespace) -> PriorityMix | None:
+    """Refuse bad flags (ValueError naming the flag); the priority mix, which sets ``num_prompts``."""
+    mix = parse_priority_mix(args.priority_mix)
+    if mix is not None:
+        if args.max_concurrency is not None:
+            raise ValueError(
+                "--priority-mix cannot be combined with --max-concurrency: the high-priority requests "
+                "must reach the server while the low-priority ones run."
+            )
+        args.num_prompts = mix.num_requests
     if args.request_rate <= 0 or math.isnan(args.request_rate):
         raise ValueError(f"--request-rate must be positive, got {args.request_rate}.")
     if args.burstiness <= 0:
@@ -183,6 +216,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be non-negative, got {args.temperature}.")
     if args.pairs < 1:
         raise ValueError(f"--pairs must be at least 1, got {args.pairs}.")
+    return mix
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -198,7 +232,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        _check_args(args)
+        mix = _check_args(args)
         slo = parse_slo(args.slo)
         set_num_threads(args.num_threads)
         config = EngineConfig.from_cli_args(args)
@@ -210,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         f"Workload: {len(workload.requests)} requests, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens; rate {args.request_rate} req/s, "
         f"max concurrency {args.max_concurrency or 'unlimited'}"
+        + (f"; {mix.low} requests of priority 1, then {mix.high} of priority 0" if mix is not None else "")
     )
     offline_llm: Any = None
     if args.compare_offline:
@@ -240,10 +275,15 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed + pair,
                     timeout_s=args.timeout,
                     warmup=args.warmup and pair == 0,
+                    priorities=mix.priorities() if mix is not None else None,
+                    saturate_first=mix.low if mix is not None else 0,
                 )
             )
         except Exception as exc:  # noqa: BLE001 - e.g. the server is not reachable
             logger.error("Benchmark against %s failed: %s", args.base_url, exc)
+            hint = refusal_hint([str(exc)]) if mix is not None else None
+            if hint is not None:
+                logger.error("%s", hint)
             return 1
         pair_metrics = summarize(results, duration, slo)
         if first is None:
@@ -286,6 +326,13 @@ def run(args: argparse.Namespace) -> int:
         plots = write_plots(results, timeline, args.plot_dir, title)
 
     print_report(metrics, offline, plots)
+    priorities: dict[str, Any] | None = None
+    if mix is not None:
+        priorities = priority_report(results, mix)
+        print_priority_report(priorities)
+        hint = refusal_hint(metrics["errors"])
+        if hint is not None:
+            logger.error("%s", hint)
     if args.output_json:
         data: dict[str, Any] = {
             "benchmark": "serve",
@@ -303,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
                 "ignore_eos": args.ignore_eos,
             },
             **metrics,
+            "priority_mix": priorities,
             "timeline": timeline,
             "offline": offline,
             "engine_config": dataclasses.asdict(config) if args.compare_offline else None,

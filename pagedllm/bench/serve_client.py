@@ -1,7 +1,11 @@
 """The load generator of ``pagedllm bench serve``: streamed ``/v1/completions`` requests sent to an
 OpenAI-compatible server at gamma-renewal (Poisson by default) arrival times, at most
 ``max_concurrency`` in flight, and the timing of every chunk each request received (see
-:mod:`pagedllm.bench.serve` for what is measured)."""
+:mod:`pagedllm.bench.serve` for what is measured).
+
+Requests may carry a ``priority`` each, and a first wave (``saturate_first`` requests) may be sent
+together before the others: the arrival process then starts once every request of the wave is
+streaming, or one of them has ended (:mod:`pagedllm.bench.serve_priority` uses both)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +31,7 @@ class RequestResult:
     requested_output_len: int
     success: bool = False
     error: str = ""
+    priority: int | None = None  # sent with the request (None: left out)
     start: float = 0.0
     ttft: float = math.nan
     latency: float = math.nan
@@ -73,9 +79,15 @@ class _Client:
         self.ignore_eos = ignore_eos
         self.t0 = t0
 
-    async def send(self, index: int, req: BenchRequest) -> RequestResult:
-        result = RequestResult(index, req.prompt_len, req.output_len)
-        body = {
+    async def send(
+        self,
+        index: int,
+        req: BenchRequest,
+        priority: int | None = None,
+        on_first_chunk: Callable[[], None] | None = None,
+    ) -> RequestResult:
+        result = RequestResult(index, req.prompt_len, req.output_len, priority=priority)
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": req.prompt_token_ids,
             "max_tokens": req.output_len,
@@ -84,6 +96,8 @@ class _Client:
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
+        if priority is not None:
+            body["priority"] = priority
         start = time.perf_counter()
         result.start = start - self.t0
         last = start
@@ -109,6 +123,8 @@ class _Client:
                     if data.get("choices"):
                         if chunks == 0:
                             result.ttft = now - start
+                            if on_first_chunk is not None:
+                                on_first_chunk()
                         else:
                             result.itl.append(now - last)
                         last = now
@@ -139,6 +155,25 @@ async def _get_model_name(client: Any, base_url: str, headers: dict[str, str]) -
     return str(data[0]["id"])
 
 
+class _Wave:
+    """The first wave of a run: ``done`` is set once each of its ``size`` requests streams, or once
+    one of them has ended (a server that cannot run them all at once never has them all streaming)."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+        self.done = asyncio.Event()
+        if size == 0:
+            self.done.set()
+
+    def streaming(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.done.set()
+
+    def ended(self) -> None:
+        self.done.set()
+
+
 async def run_benchmark(
     base_url: str,
     requests: list[BenchRequest],
@@ -153,9 +188,20 @@ async def run_benchmark(
     seed: int = 0,
     timeout_s: float = 600.0,
     warmup: bool = True,
+    priorities: Sequence[int] | None = None,
+    saturate_first: int = 0,
 ) -> tuple[list[RequestResult], float, str]:
     """Send ``requests`` to the server; returns the per-request results, the run's duration and the
-    model name used."""
+    model name used.
+
+    ``priorities`` (one per request) go in the request bodies, the warm-up request's too (with the
+    first one's), so that a server refusing them fails before the run. The first ``saturate_first``
+    requests are sent at once at the start; the others follow the arrival process, which starts once
+    each of those is streaming or one of them has ended."""
+    if priorities is not None and len(priorities) != len(requests):
+        raise ValueError(f"{len(priorities)} priorities for {len(requests)} requests.")
+    if not 0 <= saturate_first <= len(requests):
+        raise ValueError(f"saturate_first must be within 0..{len(requests)}, got {saturate_first}.")
     import aiohttp
 
     base_url = base_url.rstrip("/")
@@ -170,26 +216,37 @@ async def run_benchmark(
         url = base_url + "/v1/completions"
         if warmup:
             warm = _Client(client, url, model_name, headers, 0.0, True, time.perf_counter())
-            res = await warm.send(-1, BenchRequest(requests[0].prompt_token_ids[:16], 2))
+            warm_priority = priorities[0] if priorities else None
+            res = await warm.send(-1, BenchRequest(requests[0].prompt_token_ids[:16], 2), warm_priority)
             if not res.success:
                 raise RuntimeError(f"the warm-up request failed: {res.error}")
-        offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+        offsets = arrival_offsets(len(requests) - saturate_first, request_rate, burstiness, seed)
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        wave = _Wave(saturate_first)
         t0 = time.perf_counter()
         sender = _Client(client, url, model_name, headers, temperature, ignore_eos, t0)
 
         async def one(i: int, req: BenchRequest) -> RequestResult:
-            if semaphore is None:
-                return await sender.send(i, req)
-            async with semaphore:
-                return await sender.send(i, req)
+            priority = priorities[i] if priorities is not None else None
+            in_wave = i < saturate_first
+            try:
+                if semaphore is None:
+                    return await sender.send(i, req, priority, wave.streaming if in_wave else None)
+                async with semaphore:
+                    return await sender.send(i, req, priority, wave.streaming if in_wave else None)
+            finally:
+                if in_wave:
+                    wave.ended()
 
-        tasks = []
-        for i, (req, offset) in enumerate(zip(requests, offsets, strict=True)):
-            delay = t0 + offset - time.perf_counter()
+        tasks = [asyncio.create_task(one(i, requests[i])) for i in range(saturate_first)]
+        await wave.done.wait()
+        start = time.perf_counter() if saturate_first else t0
+        rest = range(saturate_first, len(requests))
+        for i, offset in zip(rest, offsets, strict=True):
+            delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, req)))
+            tasks.append(asyncio.create_task(one(i, requests[i])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     return list(results), duration, model_name

@@ -83,6 +83,7 @@ def request_records(results: list[RequestResult]) -> list[dict[str, Any]]:
     return [
         {
             "index": r.index,
+            "priority": r.priority,
             "success": r.success,
             "error": r.error or None,
             "prompt_len": r.prompt_len,

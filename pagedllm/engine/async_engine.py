@@ -14,6 +14,9 @@ aborts its request, which frees its KV-cache blocks at the next command pass.
 
 An engine with ``task == "embed"`` is stepped with ``step_pooling``; its requests are submitted with
 :meth:`AsyncLLMEngine.encode`, which returns the embedding.
+
+A request's ``priority`` is checked against the engine's scheduling policy on the caller's side, before
+the request is handed on: a bad one raises ``ValueError`` naming ``priority`` and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
+from pagedllm.engine.core_protocol import check_wire_priority
 from pagedllm.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from pagedllm.engine.metrics import EngineMetrics, StatLogger
 from pagedllm.engine.stats import EngineStats
@@ -59,6 +63,7 @@ class SyncEngine(Protocol):
         prompt: str | list[int],
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -128,6 +133,7 @@ class _Add:
     stream: _Stream
     prompt: str | list[int]
     params: SamplingParams | PoolingParams
+    priority: int = 0
 
 
 @dataclass
@@ -223,6 +229,23 @@ class AsyncLLMEngine:
             return len(self._streams)
 
     @property
+    def scheduling_policy(self) -> str:
+        """The scheduling policy of the engine served: the one its cores reported (an engine in core
+        processes), else the engine's configured one; ``fcfs`` for an engine that states none."""
+        reported = getattr(self.engine, "scheduling_policy", None)
+        if isinstance(reported, str):
+            return reported
+        return str(getattr(getattr(self.engine, "config", None), "scheduling_policy", "fcfs"))
+
+    def check_priority(self, priority: object) -> None:
+        """Raise ValueError naming ``priority`` unless it is an integer the engine's policy takes
+        (any under ``priority``, only 0 under ``fcfs``) and a message to a core can carry."""
+        from pagedllm.engine.llm_engine import check_priority
+
+        check_wire_priority(priority)
+        check_priority(priority, self.scheduling_policy)
+
+    @property
     def stats(self) -> EngineStats:
         """The engine's statistics as of the end of the latest engine-thread iteration."""
         return self._latest_stats
@@ -233,27 +256,29 @@ class AsyncLLMEngine:
         return f"{prefix}-{next(self._ids)}"
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and wait until the engine has accepted it.
 
-        Raises the engine's ``ValueError`` for an invalid request, :class:`QueueFullError` when the
-        waiting queue is full and :class:`EngineDeadError` when the engine is not running. Returns an
-        iterator of the request's cumulative outputs, ending with the finished one; closing or
-        abandoning the iterator early aborts the request.
+        Raises the engine's ``ValueError`` for an invalid request (a bad ``priority`` at once),
+        :class:`QueueFullError` when the waiting queue is full and :class:`EngineDeadError` when the
+        engine is not running. Returns an iterator of the request's cumulative outputs, ending with
+        the finished one; closing or abandoning the iterator early aborts the request.
         """
+        self.check_priority(priority)
         if params.structured_outputs is not None:
             await self._compile_grammar(params)
-        return self._iterate(await self._submit(request_id, prompt, params))
+        return self._iterate(await self._submit(request_id, prompt, params, priority))
 
     async def encode(
-        self, request_id: str, prompt: list[int], params: PoolingParams
+        self, request_id: str, prompt: list[int], params: PoolingParams, priority: int = 0
     ) -> EmbeddingRequestOutput:
         """Submit a pooling request (an engine whose task is ``embed``) and wait for its embedding.
 
         Raises as :meth:`add_request` does; cancelling the wait aborts the request.
         """
-        stream = await self._submit(request_id, prompt, params)
+        self.check_priority(priority)
+        stream = await self._submit(request_id, prompt, params, priority)
         try:
             item = await stream.queue.get()
         except BaseException:
@@ -265,7 +290,7 @@ class AsyncLLMEngine:
         return item
 
     async def _submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, priority: int
     ) -> _Stream:
         """Hand a request to the engine thread and wait until the engine has accepted it."""
         stream = _Stream(request_id, asyncio.get_running_loop())
@@ -275,7 +300,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             self._streams[request_id] = stream
-            self._send(_Add(stream, prompt, params))
+            self._send(_Add(stream, prompt, params, priority))
         try:
             await stream.accepted
         except BaseException:
@@ -299,10 +324,14 @@ class AsyncLLMEngine:
             ) from None
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative outputs until it finishes."""
-        outputs = await self.add_request(request_id or self.new_request_id(), prompt, params)
+        outputs = await self.add_request(request_id or self.new_request_id(), prompt, params, priority)
         async for output in outputs:
             yield output
 
@@ -314,6 +343,7 @@ class AsyncLLMEngine:
         eos_token_ids: Sequence[int],
         max_logprobs: int,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> list[BeamSearchOutput]:
         """Beam search over ``(text, token_ids)`` prompts, scored as :func:`pagedllm.engine.beam_search.beam_search`.
 
@@ -321,7 +351,9 @@ class AsyncLLMEngine:
         steps with each other and with other requests. The hypotheses' text is not decoded (the engine's
         tokenizer belongs to the engine thread). Raises ValueError for invalid prompts or parameters and
         the errors of :meth:`add_request`; a failed or cancelled search aborts its pending requests.
+        Every one-token request of the search has ``priority``.
         """
+        self.check_priority(priority)
         run = BeamSearchRun(
             prompts,
             params,
@@ -335,7 +367,10 @@ class AsyncLLMEngine:
             ids = [(f"{prefix}-{next(counter)}", tokens) for tokens in run.step_prompts()]
             try:
                 tops = await asyncio.gather(
-                    *(self._next_token_logprobs(rid, tokens, run.step_params) for rid, tokens in ids)
+                    *(
+                        self._next_token_logprobs(rid, tokens, run.step_params, priority)
+                        for rid, tokens in ids
+                    )
                 )
             except BaseException:
                 self.abort([rid for rid, _ in ids])
@@ -344,11 +379,11 @@ class AsyncLLMEngine:
         return run.outputs()
 
     async def _next_token_logprobs(
-        self, request_id: str, tokens: list[int], params: SamplingParams
+        self, request_id: str, tokens: list[int], params: SamplingParams, priority: int = 0
     ) -> dict[int, Logprob]:
         """The top next-token log probabilities after ``tokens`` (a one-token request)."""
         final: RequestOutput | None = None
-        async for out in self.generate(tokens, params, request_id=request_id):
+        async for out in self.generate(tokens, params, request_id=request_id, priority=priority):
             final = out
         logprobs = final.outputs[0].logprobs if final is not None else None
         if not logprobs:
@@ -480,7 +515,9 @@ class AsyncLLMEngine:
                     )
                     continue
             try:
-                self.engine.add_request(stream.request_id, cmd.prompt, cmd.params, stream.arrival)
+                self.engine.add_request(
+                    stream.request_id, cmd.prompt, cmd.params, stream.arrival, priority=cmd.priority
+                )
             except Exception as exc:  # noqa: BLE001 - rejected requests report to their caller
                 self._drop(stream)
                 stream.fail(exc)

@@ -28,7 +28,8 @@ from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 class RemoteEngine:
     """The engine as a front-end sees it: its own tokenizer (with the configured chat template) and
-    what the cores reported at start-up."""
+    what the cores reported at start-up (their scheduling policy included, which decides the
+    priorities a front-end lets through)."""
 
     def __init__(self, info: EngineInfo, tokenizer: Any, config: EngineConfig) -> None:
         self.info = info
@@ -41,6 +42,7 @@ class RemoteEngine:
         self.eos_token_ids = list(info.eos_token_ids)
         self.default_sampling: dict[str, float | int] = dict(info.default_sampling)
         self.pooling_config = PoolingConfig(*info.pooling) if info.pooling is not None else None
+        self.scheduling_policy = info.scheduling_policy
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
@@ -131,11 +133,10 @@ class AsyncMPEngine(AsyncLLMEngine):
         stream = command.stream
         try:
             text, ids = self.remote.tokenize(command.prompt)
+            self.client.add(stream.request_id, text, ids, command.params, command.priority)
         except ValueError as exc:
             del self._streams[stream.request_id]  # the caller holds _lock
             stream.fail(exc)
-            return
-        self.client.add(stream.request_id, text, ids, command.params)
 
     # ------------------------------------------------------------------ the client's listener
 

@@ -43,6 +43,7 @@ from pagedllm.engine.core_protocol import (
     Shutdown,
     StartFailed,
     Welcome,
+    check_wire_priority,
 )
 from pagedllm.engine.dp_router import PrefixRouter
 from pagedllm.engine.errors import EngineDeadError, QueueFullError
@@ -122,6 +123,7 @@ class _Add:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams | PoolingParams
+    priority: int = 0
 
 
 @dataclass
@@ -251,9 +253,13 @@ class CoreClient:
         prompt: str | None,
         prompt_ids: list[int],
         params: SamplingParams | PoolingParams,
+        priority: int = 0,
     ) -> None:
-        """Send a request to a core; the listener hears ``accepted`` or ``rejected`` for it."""
-        self._put(_Add(request_id, prompt, prompt_ids, params))
+        """Send a request to a core; the listener hears ``accepted`` or ``rejected`` for it. A
+        ``priority`` that no message can carry (not a 64-bit integer) raises ValueError here, and
+        nothing is sent; whether the core's scheduling policy takes it is the core's to say."""
+        check_wire_priority(priority)
+        self._put(_Add(request_id, prompt, prompt_ids, params, priority))
 
     def abort(self, request_ids: list[str]) -> None:
         self._put(_Abort(request_ids))
@@ -389,11 +395,11 @@ class CoreClient:
         core = self.cores[rank]
         params = cmd.params
         if isinstance(params, SamplingParams):
-            message = AddRequest(cmd.request_id, cmd.prompt_ids, sampling=params)
+            message = AddRequest(cmd.request_id, cmd.prompt_ids, sampling=params, priority=cmd.priority)
             n = params.n
             self._acc[cmd.request_id] = DeltaAccumulator(cmd.request_id, cmd.prompt, cmd.prompt_ids, n)
         else:
-            message = AddRequest(cmd.request_id, cmd.prompt_ids, pooling=params)
+            message = AddRequest(cmd.request_id, cmd.prompt_ids, pooling=params, priority=cmd.priority)
             n = 1
         if not self._send(core, self.codec.encode(message)):
             self._acc.pop(cmd.request_id, None)

@@ -103,6 +103,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         max_logprobs=config.max_logprobs,
         enable_prefix_caching=engine.kv_cache_manager.enable_caching,
         pooling=pooling,
+        scheduling_policy=config.scheduling_policy,
     )
 
 
@@ -384,7 +385,7 @@ class EngineCoreProc:
                     self.io.owner.pop(rid, None)
                     continue
             try:
-                engine.add_request(rid, cmd.prompt_token_ids, params)
+                engine.add_request(rid, cmd.prompt_token_ids, params, priority=cmd.priority)
             except Exception as exc:  # noqa: BLE001 - a rejected request reports to its front-end
                 out.rejected.append(Rejection(rid, False, str(exc)))
                 self.io.owner.pop(rid, None)

@@ -10,6 +10,10 @@ Core → front-end: :class:`Hello` (ready, with :class:`EngineInfo`), :class:`St
 :class:`CoreOutputs` (one per loop iteration that has something to say, and a heartbeat at least
 every few hundred milliseconds) and :class:`CoreDead`.
 
+A request's ``priority`` (the ``priority`` scheduling policy's order) travels as a 64-bit integer:
+:func:`check_wire_priority` refuses anything else before it is encoded, so that a core never meets a
+message it cannot decode.
+
 Outputs are deltas: a :class:`RequestDelta` carries only what a request gained since the previous
 delta (new text, token ids, logprobs), and the front-end keeps the cumulative state.
 """
@@ -40,6 +44,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     enable_prefix_caching: bool
     # Pooling of an embed engine: (type, normalize, hidden size, matryoshka sizes or None).
     pooling: tuple[str, bool, int, tuple[int, ...] | None] | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priorities are taken)
 
 
 # -- front-end -> core ------------------------------------------------------------------------
@@ -50,6 +55,21 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams | None = None  # a generate request
     pooling: PoolingParams | None = None  # an embed request
+    priority: int = 0  # lower first, under the "priority" scheduling policy
+
+
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # what a msgpack integer carries
+
+
+def check_wire_priority(priority: object) -> None:
+    """Raise ValueError naming ``priority`` unless it is an integer (not a boolean) that an
+    :class:`AddRequest` can carry."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}.")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(
+            f"priority must be a 64-bit integer ({PRIORITY_MIN} to {PRIORITY_MAX}), got {priority}."
+        )
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -179,4 +199,5 @@ __all__ = [
     "StartFailed",
     "ToCore",
     "Welcome",
+    "check_wire_priority",
 ]

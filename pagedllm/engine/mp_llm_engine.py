@@ -5,7 +5,9 @@
 ``abort_request``, ``has_unfinished_requests``, the tokenizer and model facts) while the model runs in
 ``data_parallel_size`` engine-core processes of this machine. Requests are sent without waiting for
 the core's answer, so that a batch reaches the core at once; a request the core refuses raises its
-``ValueError`` from the next :meth:`step`. Outputs are the cores' own, so they equal in-process ones.
+``ValueError`` from the next :meth:`step`. A request's ``priority`` is checked here first, against
+the policy the cores reported, so a bad one raises from :meth:`add_request` and is never sent.
+Outputs are the cores' own, so they equal in-process ones.
 
 The core processes stop with :meth:`shutdown`, when the engine is garbage collected, or at exit.
 """
@@ -24,7 +26,9 @@ from pagedllm.engine.async_mp_engine import RemoteEngine, _total
 from pagedllm.engine.core_client import CoreClient
 from pagedllm.engine.core_launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
 from pagedllm.engine.core_process import CoreOptions
+from pagedllm.engine.core_protocol import check_wire_priority
 from pagedllm.engine.errors import EngineDeadError
+from pagedllm.engine.llm_engine import check_priority
 from pagedllm.engine.stats import EngineStats
 from pagedllm.model.loader import load_model_tokenizer
 from pagedllm.model.tokenizer import with_chat_template
@@ -134,12 +138,15 @@ class MPLLMEngine(RemoteEngine):
         prompt: str | list[int],
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Send a request to a core. Raises ValueError at once for an empty or out-of-vocabulary
-        prompt, a reused id or parameters of the other task; the core's own checks raise from the
-        next :meth:`step`."""
+        prompt, a reused id, parameters of the other task or a ``priority`` that is not an integer
+        (or not 0 under ``fcfs``); the core's own checks raise from the next :meth:`step`."""
         if self._sink.dead is not None:
             raise EngineDeadError(self.client.dead_message())
+        check_wire_priority(priority)
+        check_priority(priority, self.scheduling_policy)
         if request_id in self._unfinished:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if self.task == "embed" and isinstance(params, SamplingParams):
@@ -150,7 +157,7 @@ class MPLLMEngine(RemoteEngine):
             params = PoolingParams() if self.task == "embed" else SamplingParams()
         text, ids = self.tokenize(prompt)
         self._unfinished.add(request_id)
-        self.client.add(request_id, text, ids, params)
+        self.client.add(request_id, text, ids, params, priority)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -74,15 +74,22 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of ``prompts``.
 
         ``prompts`` are strings or token-id lists (a single one may be passed bare).
         ``sampling_params`` is one for all prompts or one per prompt; None means
-        :meth:`get_default_sampling_params`.
+        :meth:`get_default_sampling_params`. ``priority``: one integer per prompt, for an engine
+        with ``scheduling_policy="priority"`` (lower values run first).
         """
         self._require_task("generate", "LLM.generate")
         prompt_list = _as_prompt_list(prompts)
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(
+                f"priority has {len(priorities)} entries but there are {len(prompt_list)} prompts."
+            )
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -103,9 +110,9 @@ class LLM:
         params_list = [final_only.get(id(params), params) for params in params_list]
         ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
+            for prompt, params, urgency in zip(prompt_list, params_list, priorities, strict=True):
                 rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, params)
+                self.llm_engine.add_request(rid, prompt, params, priority=urgency)
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)

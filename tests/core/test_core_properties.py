@@ -59,10 +59,11 @@ def drive(
     caching: bool,
     seed: int,
     window: int | None = None,
+    policy: str = "fcfs",
 ) -> None:
     rng = random.Random(seed)
     kv_cache_manager = KVCacheManager(num_blocks, block_size, caching, sliding_window=window)
-    sched = Scheduler(SchedulerConfig(max_seqs, budget), kv_cache_manager)
+    sched = Scheduler(SchedulerConfig(max_seqs, budget, policy=policy), kv_cache_manager)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     next_id = 0
     alive: list[str] = []
@@ -91,6 +92,11 @@ def drive(
             if tok == EOS or req.num_output_tokens >= req.max_tokens:
                 sched.finish_request(req, RequestStatus.FINISHED_STOPPED)
         check_invariants(sched, kv_cache_manager)
+        if policy == "priority":
+            keys = [(r.priority, r.arrival_order) for r in sched.waiting]
+            assert keys == sorted(keys), "waiting is in (priority, arrival) order"
+            keys = [(r.priority, r.arrival_order) for r in sched.running]
+            assert keys == sorted(keys), "running is in (priority, arrival) order"
 
     for op, arg in ops:
         if op == "add":
@@ -100,7 +106,10 @@ def drive(
                 continue
             rid = f"r{next_id}"
             next_id += 1
-            sched.add_request(make_request(rid, prompt, max_tokens))
+            request = make_request(rid, prompt, max_tokens)
+            if policy == "priority":
+                request.priority = arg % 3
+            sched.add_request(request)
             alive.append(rid)
         elif op == "abort" and alive:
             sched.abort_requests([alive.pop(arg % len(alive))])
@@ -152,6 +161,22 @@ def test_random_add_step_abort_with_a_sliding_window(
     """Blocks leave a request once out of its window; ref counts, the idle state and the blocks each
     step reads stay right."""
     drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed, window)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=op_strategy,
+    num_blocks=st.integers(4, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    max_seqs=st.integers(1, 8),
+    budget=st.integers(1, 64),
+    caching=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_add_step_abort_under_priority(ops, num_blocks, block_size, max_seqs, budget, caching, seed):
+    """Priorities 0-2, urgent arrivals preempting less urgent running requests: the same invariants,
+    both queues in (priority, arrival) order, and every request finishes."""
+    drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed, policy="priority")
 
 
 def test_sliding_window_releases_blocks_and_skips_old_hits():

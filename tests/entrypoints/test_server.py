@@ -654,6 +654,7 @@ class ScriptedEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

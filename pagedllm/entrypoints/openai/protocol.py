@@ -164,6 +164,9 @@ class SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
     length_penalty: Number = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
+    # Lower values run first on a server started with --scheduling-policy priority; an fcfs server
+    # takes only 0.
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
 
 class CompletionRequest(SamplingRequest):

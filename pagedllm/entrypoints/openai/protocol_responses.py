@@ -255,6 +255,7 @@ class ResponsesRequest(OpenAIBaseModel):
     top_k: int | None = None
     min_p: Number | None = None
     repetition_penalty: Number | None = Field(None, ge=MIN_REPETITION_PENALTY)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # as in chat completions
 
     @field_validator("input", mode="before")
     @classmethod

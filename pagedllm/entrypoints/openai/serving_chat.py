@@ -120,6 +120,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         self.check_request_modes(request)
+        self.check_priority(request)
         self.check_limits(request)
         aliases = self.param_aliases(request, {"logprobs": "top_logprobs", "prompt": "messages"})
         max_tokens = request.max_tokens
@@ -165,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self._gate_constraint(params, reasoning)
 
         try:
-            outputs = await self.engine.add_request(engine_id, prompt_ids, params)
+            outputs = await self.engine.add_request(engine_id, prompt_ids, params, request.priority)
         except Exception as exc:
             self.engine.abort(engine_id)
             raise error_from_exception(exc, aliases) from None

@@ -64,6 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise OpenAIError("suffix is not supported.", param="suffix")
         self.check_request_modes(request)
+        self.check_priority(request)
         self.check_limits(request)
         prompts = await self._prompts(request)
         aliases = self.param_aliases(request)
@@ -93,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         iterators: list[AsyncIterator[RequestOutput]] = []
         try:
             for rid, p, sp in zip(request_ids, prompts, params, strict=True):
-                iterators.append(await self.engine.add_request(rid, p.token_ids, sp))
+                iterators.append(await self.engine.add_request(rid, p.token_ids, sp, request.priority))
         except Exception as exc:
             self.engine.abort(request_ids)
             raise error_from_exception(exc, aliases) from None

@@ -50,6 +50,7 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {
     "request_id",
     "use_beam_search",
     "length_penalty",
+    "priority",
 }
 
 
@@ -165,6 +166,14 @@ class OpenAIServing:
             raise OpenAIError(
                 self.engine.dead_message(), status_code=503, type="server_error", code="engine_dead"
             )
+
+    def check_priority(self, request: SamplingRequest) -> None:
+        """A 400 naming ``priority`` (and ``scheduling_policy``) when the engine's policy does not take
+        the request's priority: any but 0 on an ``fcfs`` server."""
+        try:
+            self.engine.check_priority(request.priority)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="priority") from None
 
     def check_limits(self, request: SamplingRequest) -> None:
         """``n`` and the sizes of the request's lists, before anything is tokenized."""
@@ -283,6 +292,7 @@ class OpenAIServing:
                 eos_token_ids=list(getattr(engine, "eos_token_ids", [])),
                 max_logprobs=self.max_logprobs,
                 request_id=request_id,
+                priority=request.priority,
             )
         except Exception as exc:
             if isinstance(exc, ValueError) and str(exc).startswith("beam_width"):

@@ -325,6 +325,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatTranslation:
         "top_k": request.top_k,
         "min_p": request.min_p,
         "repetition_penalty": request.repetition_penalty,
+        "priority": request.priority,
         "stream": request.stream,
         "stream_options": StreamOptions(include_usage=True) if request.stream else None,
         "tools": tools,
