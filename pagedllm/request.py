@@ -129,6 +129,8 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens sampled by a step still in flight (scheduled ahead): their ids are not on the host yet.
     num_pending_tokens: int = 0
+    # Draft tokens proposed after the latest token (speculative decoding), verified by the next step.
+    spec_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)

@@ -49,6 +49,10 @@ BENCHMARKS = {
         "pagedllm.bench.multiprocess",
         "Offline throughput with the engine in a core process against in-process, on the same workload.",
     ),
+    "spec": (
+        "pagedllm.bench.spec",
+        "Speculative decoding (prompt lookup) against plain decoding on input-grounded requests.",
+    ),
     "parallel": (
         "pagedllm.bench.parallel",
         "Throughput of tensor/pipeline-parallel ranks against one rank on the same cores, and each rank's "

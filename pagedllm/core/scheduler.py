@@ -31,13 +31,17 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    # Tokens to compute this step, starting at request.num_computed_tokens: known tokens, then the
+    # draft tokens (speculative decoding), which the step verifies.
+    num_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
     # True when this chunk reaches the end of the request's tokens (a new token is sampled).
     needs_sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
         request = self.request
-        self.needs_sample = request.num_computed_tokens + self.num_tokens == request.num_tokens_with_pending
+        known = self.num_tokens - len(self.draft_token_ids)
+        self.needs_sample = request.num_computed_tokens + known == request.num_tokens_with_pending
 
 
 @dataclass
@@ -190,6 +194,13 @@ class Scheduler:
             ):
                 i += 1
                 continue
+            # A decode may also verify the request's draft tokens, when there is room for them.
+            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 and not pending else []
+            if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
+                self._schedule(out, request, 1 + len(drafts), drafts)
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             while self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(request, num_new):
                 # The last running request not yet scheduled this step: it comes after the request
                 # being scheduled in ``running`` (the requests scheduled before it come earlier, or
@@ -219,8 +230,24 @@ class Scheduler:
                     break
                 budget -= num_new
 
+        if any(s.draft_token_ids for s in out.scheduled_requests) and any(
+            s.num_tokens > 1 + len(s.draft_token_ids) for s in out.scheduled_requests
+        ):
+            budget += self._drop_drafts(out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    @staticmethod
+    def _drop_drafts(out: SchedulerOutput) -> int:
+        """Verify no drafts in a step that also computes prompt tokens: drafts are verified in decode
+        steps only, whose rows are computed exactly as plain decoding computes them. Returns the
+        tokens given back (their slots stay allocated, for the tokens to come)."""
+        freed = 0
+        for s in out.scheduled_requests:
+            freed += len(s.draft_token_ids)
+            s.num_tokens -= len(s.draft_token_ids)
+            s.draft_token_ids = []
+        return freed
 
     def _admit(self, out: SchedulerOutput, idx: int, budget: int) -> int | None:
         """Move ``waiting[idx]`` to ``running`` and schedule up to ``budget`` of its tokens (after its
@@ -247,15 +274,18 @@ class Scheduler:
         self._schedule(out, request, num_new)
         return num_new
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        out.scheduled_requests.append(ScheduledRequest(request, num_tokens))
+    def _schedule(
+        self, out: SchedulerOutput, request: Request, num_tokens: int, drafts: list[int] | None = None
+    ) -> None:
+        out.scheduled_requests.append(ScheduledRequest(request, num_tokens, drafts or []))
         # Blocks this step fills are shared from now on (see KVCacheManager.cache_full_blocks); a
         # block ending in a pending token is registered by a later step, once its ids are known.
         known = min(request.num_computed_tokens + num_tokens, request.num_tokens)
         out.newly_cached_blocks += self.kv_cache_manager.cache_full_blocks(request, known)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts after the step's forward ran."""
+        """Advance computed-token counts after the step's forward ran (draft tokens included: the
+        engine takes the rejected ones back once they are verified)."""
         for scheduled in out.scheduled_requests:
             scheduled.request.num_computed_tokens += scheduled.num_tokens
 

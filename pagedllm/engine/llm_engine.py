@@ -27,6 +27,8 @@ from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec.config import SpeculativeConfig, parse_speculative_config
+from pagedllm.spec.proposer import NgramProposer
 from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
 from pagedllm.worker.executor import Executor
 from pagedllm.worker.model_runner import ModelRunner, StepSamples
@@ -50,6 +52,30 @@ def check_priority(priority: object, policy: str) -> None:
             f"priority {priority}: requests have priorities under scheduling_policy 'priority' only "
             f"(this engine runs {policy!r}; start it with --scheduling-policy priority)."
         )
+
+
+def check_speculative(config: EngineConfig, task: str) -> SpeculativeConfig | None:
+    """The engine's speculative-decoding configuration (None: off); ValueError, naming the field,
+    where it cannot run."""
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ValueError(
+            "speculative_config.model: draft-model speculation is not available yet; use "
+            '{"method": "ngram", ...} (prompt lookup).'
+        )
+    if task != "generate" or config.world_size > 1 or config.nnodes > 1:
+        raise ValueError(
+            "speculative_config: speculative decoding runs on one rank of a generating model (not with "
+            "task 'embed', tensor_parallel_size or pipeline_parallel_size)."
+        )
+    if config.async_scheduling:
+        raise ValueError(
+            "speculative_config: async_scheduling cannot be on with speculative decoding (the drafts "
+            "follow the latest token, which scheduling ahead does not have yet)."
+        )
+    return spec
 
 
 def _freeze_startup_objects() -> None:
@@ -116,6 +142,7 @@ class LLMEngine:
         self.task = resolve_task(config.task, encoder, config.model or "the default model")
         if self.task != "embed" and (config.pooling_type is not None or config.pooling_normalize is not None):
             raise ValueError("pooling_type and pooling_normalize apply to task 'embed' only.")
+        self.speculative = check_speculative(config, self.task)  # before any rank process starts
         if self.task == "embed" and config.async_scheduling:
             raise ValueError("async_scheduling does not apply to task embed: a step's outputs are its own.")
         self.executor: Executor | EncoderExecutor
@@ -139,12 +166,18 @@ class LLMEngine:
         self.eos_token_ids = list(executor.model_config.eos_token_ids)
         self.max_model_len = executor.max_model_len
         self.device = executor.device
+        self.proposer = (
+            NgramProposer(self.speculative, self.max_model_len) if self.speculative is not None else None
+        )
+        self.num_drafts = 0  # request steps that verified drafts, total
+        self.num_draft_tokens = 0  # draft tokens verified, total
+        self.num_accepted_tokens = 0  # of those, accepted
         # On by default where it pays: a GPU computes while the host schedules, and pipeline stages
-        # work on different steps.
+        # work on different steps (not with speculative decoding: drafts follow the latest token).
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
-            else self.device.type == "cuda" or config.pipeline_parallel_size > 1
+            else (self.device.type == "cuda" or config.pipeline_parallel_size > 1) and self.proposer is None
         ) and self.task == "generate"
         # Steps launched back to back that the executor's pipeline stages run at once (1: none).
         interleaved = (
@@ -439,12 +472,25 @@ class LLMEngine:
             req.num_pending_tokens -= 1
             if req.status.finished:
                 continue  # finished (or aborted) while this step was in flight: its token is dropped
-            generated += 1
-            status = process_token(
-                req, sampled.token_ids[j], sampled.sampled_logprobs[j], sampled.logprobs[j], now
-            )
-            if status is not None:
-                self.scheduler.finish_request(req, status)
+            tokens, logprobs = [sampled.token_ids[j]], [sampled.sampled_logprobs[j]]
+            drafts = scheduled[row].draft_token_ids
+            if sampled.accepted is not None and sampled.accepted_logprobs is not None:
+                tokens[:0], logprobs[:0] = sampled.accepted[j], sampled.accepted_logprobs[j]
+                # The KV of rejected drafts is not the request's: their slots are written again later.
+                req.num_computed_tokens -= len(drafts) - len(sampled.accepted[j])
+                self.num_drafts += bool(drafts)
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(sampled.accepted[j])
+            for i, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+                generated += 1
+                top = sampled.logprobs[j] if i == len(tokens) - 1 else None
+                status = process_token(req, token, logprob, top, now)
+                if status is not None:
+                    self.scheduler.finish_request(req, status)
+                    break
+            else:
+                if self.proposer is not None:
+                    req.spec_token_ids = self.proposer.propose(req)
             assert req.parent_id is not None
             touched[req.parent_id] = None
         self.num_generation_tokens += generated
@@ -481,6 +527,9 @@ class LLMEngine:
             prefix_cache_hits=self.kv_cache_manager.stats.hits,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
+            spec_drafts=self.num_drafts,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )
 
     def shutdown(self) -> None:

@@ -87,6 +87,24 @@ class EngineMetrics:
         self._generation_tokens = Counter(
             PREFIX + "generation_tokens", "Tokens generated.", per_engine, registry=reg
         )
+        self._spec_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts",
+            "Speculative decoding: request steps that verified draft tokens.",
+            per_engine,
+            registry=reg,
+        )
+        self._spec_draft_tokens = Counter(
+            PREFIX + "spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified by the model.",
+            per_engine,
+            registry=reg,
+        )
+        self._spec_accepted_tokens = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (the acceptance rate is their ratio to the drafts).",
+            per_engine,
+            registry=reg,
+        )
         self._num_preemptions = Counter(
             PREFIX + "num_preemptions",
             "Requests preempted to free KV-cache blocks.",
@@ -163,6 +181,9 @@ class EngineMetrics:
                 self._num_preemptions,
                 self._prefix_cache_queries,
                 self._prefix_cache_hits,
+                self._spec_drafts,
+                self._spec_draft_tokens,
+                self._spec_accepted_tokens,
             ):
                 family.labels(name, engine)
 
@@ -180,6 +201,9 @@ class EngineMetrics:
             (self._num_preemptions, stats.num_preemptions, last.num_preemptions),
             (self._prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self._prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (self._spec_drafts, stats.spec_drafts, last.spec_drafts),
+            (self._spec_draft_tokens, stats.spec_draft_tokens, last.spec_draft_tokens),
+            (self._spec_accepted_tokens, stats.spec_accepted_tokens, last.spec_accepted_tokens),
         ):
             if new > old:
                 counter.labels(name, engine).inc(new - old)

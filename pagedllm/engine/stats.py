@@ -19,3 +19,6 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     prompt_tokens: int = 0  # prompt tokens computed (prefill), total
     generation_tokens: int = 0  # tokens generated, total
+    spec_drafts: int = 0  # speculative decoding: request steps that verified drafts, total
+    spec_draft_tokens: int = 0  # draft tokens verified, total
+    spec_accepted_tokens: int = 0  # of those, accepted by the target model

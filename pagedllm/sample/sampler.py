@@ -48,6 +48,10 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
     sampled_logprobs: list[float]
+    # Speculative decoding: the draft tokens row i accepted, emitted before ``token_ids[i]``, and
+    # their raw log probabilities (empty lists for rows without drafts; None for a step without).
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[float]] | None = None
 
 
 @dataclass

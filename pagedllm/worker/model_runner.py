@@ -26,6 +26,7 @@ from pagedllm.model.quantization import install_gguf_blocks, quantize_float_line
 from pagedllm.model.registry import model_class
 from pagedllm.outputs import Logprob
 from pagedllm.sample.sampler import DeviceSamples, SampledTokens, Sampler, SamplingInputs
+from pagedllm.spec.rejection import draft_tensor, rejection_sample
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
@@ -89,8 +90,18 @@ class DeferredSamples:
         return self._sample().output()
 
 
+class VerifiedSamples:
+    """A speculative step's tokens, verified on the host already."""
+
+    def __init__(self, tokens: SampledTokens) -> None:
+        self.tokens = tokens
+
+    def output(self) -> SampledTokens:
+        return self.tokens
+
+
 # What a launched step's sampled tokens are until they are asked for.
-StepSamples = DeviceSamples | DeferredSamples
+StepSamples = DeviceSamples | DeferredSamples | VerifiedSamples
 
 
 class ModelRunner:
@@ -467,6 +478,55 @@ class ModelRunner:
         )
         return self.sampler.sample(logits, batch)
 
+    def _verify(
+        self, scheduler_output: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor
+    ) -> VerifiedSamples:
+        """Sample a step in which some requests verify draft tokens. ``logits`` holds, per sampled
+        request, one row per verified position (its drafts + 1). Requests without drafts are sampled
+        as usual; the others go through :func:`~pagedllm.spec.rejection.rejection_sample` with the
+        sampler's distribution at every position (drafts are only proposed for requests whose
+        distribution reads no earlier output, see ``Request.can_sample_ahead``)."""
+        scheduled = scheduler_output.scheduled_requests
+        counts = [len(scheduled[r].draft_token_ids) for r in sample_rows]
+        starts = np.concatenate([[0], np.cumsum([c + 1 for c in counts])]).tolist()
+        plain = [j for j, c in enumerate(counts) if c == 0]
+        drafted = [j for j, c in enumerate(counts) if c > 0]
+        n = len(sample_rows)
+        token_ids, sampled_logprobs = [0] * n, [0.0] * n
+        logprobs: list[dict[int, Logprob] | None] = [None] * n
+        accepted: list[list[int]] = [[] for _ in range(n)]
+        accepted_logprobs: list[list[float]] = [[] for _ in range(n)]
+        if plain:
+            last = torch.tensor([starts[j] for j in plain], dtype=torch.int64, device=logits.device)
+            out = self.sample(scheduler_output, [sample_rows[j] for j in plain], logits[last]).output()
+            for i, j in enumerate(plain):
+                token_ids[j], logprobs[j] = out.token_ids[i], out.logprobs[i]
+                sampled_logprobs[j] = out.sampled_logprobs[i]
+        width = max(counts) + 1
+        reqs = [scheduled[sample_rows[j]].request for j in drafted]
+        index = [starts[j] + min(p, counts[j]) for j in drafted for p in range(width)]  # padded rows repeat
+        block = logits[torch.tensor(index, dtype=torch.int64, device=logits.device)]
+        batch = SamplingInputs(
+            params=[r.params for r in reqs for _ in range(width)],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs for _ in range(width)],
+            output_token_ids=[r.output_token_ids for r in reqs for _ in range(width)],
+            generators=[None] * len(index),
+            bad_words_token_ids=[r.bad_words_token_ids for r in reqs for _ in range(width)],
+            eos_token_ids=reqs[0].eos_token_ids,
+        )
+        probs = self.sampler.probabilities(block, batch).view(len(reqs), width, -1)
+        drafts, num = draft_tensor([scheduled[sample_rows[j]].draft_token_ids for j in drafted], width - 1)
+        verified = rejection_sample(drafts.to(probs.device), num, probs, None, [r.generator for r in reqs])
+        raw = torch.log_softmax(block.float(), dim=-1).view(len(reqs), width, -1)
+        for i, j in enumerate(drafted):
+            emitted = verified.token_ids[i]
+            lps = raw[i, torch.arange(len(emitted)), torch.tensor(emitted).clamp(min=0)].tolist()
+            token_ids[j], sampled_logprobs[j] = emitted[-1], lps[-1]
+            accepted[j], accepted_logprobs[j] = emitted[:-1], lps[:-1]
+        return VerifiedSamples(
+            SampledTokens(token_ids, logprobs, sampled_logprobs, accepted, accepted_logprobs)
+        )
+
     @torch.inference_mode()
     def launch(
         self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None
@@ -489,8 +549,13 @@ class ModelRunner:
             logits = self.logits_of(hidden, inputs.logits_indices)
         sampling = time.perf_counter()
         times.forward += sampling - started
-        sampled = self.sample(scheduler_output, inputs.sample_rows, logits)
         scheduled = scheduler_output.scheduled_requests
+        if any(scheduled[r].draft_token_ids for r in inputs.sample_rows):
+            self.previous_tokens = None  # speculative steps are not scheduled ahead
+            verified = self._verify(scheduler_output, inputs.sample_rows, logits)
+            times.sample += time.perf_counter() - sampling
+            return inputs.sample_rows, verified
+        sampled = self.sample(scheduler_output, inputs.sample_rows, logits)
         rows = {scheduled[r].request.request_id: j for j, r in enumerate(inputs.sample_rows)}
         self.previous_tokens = PreviousTokens(rows, sampled.token_ids)
         sampled.copy_to_host()

@@ -39,7 +39,9 @@ class HostStepInputs:
     query_lens: list[int]  # new tokens of each real request
     num_reqs: int  # real requests (the first num_reqs sequences)
     sample_rows: list[int]  # indices into scheduled_requests of the requests that sample
-    logits_indices: list[int]  # flat row of each sampled request's last token
+    # Flat rows whose logits are sampled: each sampling request's last token, and before it, for a
+    # request verifying draft tokens, its last known token and every draft but the last.
+    logits_indices: list[int]
 
     @property
     def seq_lens_list(self) -> list[int]:
@@ -68,6 +70,12 @@ class StepInputBuilder:
         sample_rows = [i for i, s in enumerate(scheduled) if s.needs_sample]
         if all(s.num_tokens == 1 for s in scheduled):
             return self._decode(requests, rows, sample_rows, padded_rows, out)
+        if (
+            all(s.num_tokens == 1 + len(s.draft_token_ids) for s in scheduled)
+            and padded_rows is None
+            and out is None
+        ):
+            return self._verify(scheduler_output, rows, sample_rows)
         if padded_rows is not None or out is not None:
             raise ValueError("only decode-only steps are padded into staging buffers.")
         return self._mixed(scheduler_output, rows, sample_rows)
@@ -107,6 +115,46 @@ class StepInputBuilder:
             logits_indices=sample_rows,  # request i is flat row i
         )
 
+    def _verify(
+        self, scheduler_output: SchedulerOutput, rows: np.ndarray, sample_rows: list[int]
+    ) -> HostStepInputs:
+        """A decode step in which requests also verify draft tokens, laid out as a decode batch: one
+        row per token, a request's latest token then its drafts, each row attending over the context
+        up to its own position (every layer writes all rows' K/V before any row attends). The rows
+        are computed exactly as decode rows are, so a verified token is the token decoding it one
+        step at a time would give."""
+        scheduled = scheduler_output.scheduled_requests
+        token_ids: list[int] = []
+        positions: list[int] = []
+        owners: list[int] = []
+        logits_indices: list[int] = []
+        for i, item in enumerate(scheduled):
+            req = item.request
+            start = req.num_computed_tokens
+            if item.needs_sample:
+                logits_indices.extend(range(len(token_ids), len(token_ids) + item.num_tokens))
+            token_ids += [req.all_token_ids[start], *item.draft_token_ids]
+            positions += range(start, start + item.num_tokens)
+            owners += [i] * item.num_tokens
+        n = len(token_ids)
+        width = max(positions) // self.block_size + 1
+        out = DecodeInputs.zeros(n, width)
+        width = fill_decode_inputs(
+            token_ids, positions, self.block_table_rows.array[rows[owners], :width], self.block_size, n, out
+        )
+        return HostStepInputs(
+            token_ids=out.input_ids[:n],
+            positions=out.positions[:n],
+            slot_mapping=out.slot_mapping[:n],
+            query_start_loc=np.arange(n + 1, dtype=np.int32),
+            seq_lens=out.seq_lens[:n],
+            block_tables=out.block_tables[: n * width].reshape(n, width),
+            query_lens=[1] * n,
+            num_reqs=n,
+            sample_rows=sample_rows,
+            logits_indices=logits_indices,
+        )
+
     def _mixed(
         self, scheduler_output: SchedulerOutput, rows: np.ndarray, sample_rows: list[int]
     ) -> HostStepInputs:
@@ -123,8 +171,11 @@ class StepInputBuilder:
             req = item.request
             start = req.num_computed_tokens
             end = start + item.num_tokens
-            ids.extend(req.all_token_ids[start:end])
-            if end > req.num_tokens:  # the last token is pending: filled in on the device
+            drafts = item.draft_token_ids
+            ids.extend(req.all_token_ids[start : end - len(drafts)])
+            if drafts:  # verified by this step: every position's logits are sampled
+                ids.extend(drafts)
+            elif end > req.num_tokens:  # the last token is pending: filled in on the device
                 ids.append(0)
             pos = np.arange(start, end, dtype=np.int64)
             pos_chunks.append(pos)
@@ -133,7 +184,7 @@ class StepInputBuilder:
             slens.append(end)
             width = max(width, len(req.block_ids))
             if item.needs_sample:
-                logits_indices.append(len(ids) - 1)
+                logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
         tables = self.block_table_rows.array[rows, :width]  # a copy (fancy indexing)
         for row, item in enumerate(scheduled):
             tables[row, len(item.request.block_ids) :] = 0  # past its table: stale ids of a former owner

@@ -1,0 +1,39 @@
+"""Which draft tokens a request verifies in its next step (prompt lookup).
+
+A request gets drafts only when every verified position's distribution is known before the step:
+nothing its sampling reads depends on its earlier outputs (no penalties, bad words or grammar, and
+``min_tokens`` reached: ``Request.can_sample_ahead``), and it asks for no logprobs. The drafts are
+capped so that verifying them stays within ``max_model_len`` and every emitted token within
+``max_tokens`` (a step emits at most the drafts + 1).
+"""
+
+from __future__ import annotations
+
+from pagedllm.request import Request
+from pagedllm.spec.config import SpeculativeConfig
+from pagedllm.spec.ngram import propose_ngram
+
+
+class NgramProposer:
+    """Drafts from the request's own tokens (prompt and output): the continuation of the longest
+    earlier match of its last ``prompt_lookup_min .. prompt_lookup_max`` tokens."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        assert config.method == "ngram"
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, request: Request) -> list[int]:
+        params = request.params
+        if not request.can_sample_ahead or params.logprobs is not None:
+            return []
+        k = min(
+            self.k,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if k <= 0:
+            return []
+        return propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
