@@ -1,10 +1,11 @@
 """``pagedllm bench spec``: speculative decoding (prompt lookup) against plain decoding.
 
-The workload is input-grounded, where prompt lookup pays: 16 requests that ask the model to repeat
-a passage given in the prompt (12 passages of the shipped ``texts/us_constitution.txt``) or to copy
-a short piece of code (4 snippets), greedy, up to ``--output-len`` tokens, stopping at EOS. Two
+The workload is input-grounded, where prompt lookup pays: 16 chat requests (the model's chat
+template) that ask the model to repeat a passage given in the message (12 passages of the shipped
+``texts/us_constitution.txt``) or to copy a short piece of code (4 snippets), greedy, up to
+``--output-len`` tokens, stopping at EOS. Two
 engines are built in turn from the same arguments, one plain and one with ``--spec`` (the
-``speculative_config`` JSON, default prompt lookup of 4 tokens from 2-4-gram matches), and each
+``speculative_config`` JSON, default prompt lookup of up to 8 tokens after a 3- to 5-gram match), and each
 runs, after an untimed warm-up request:
 
 * batch 1: the 16 requests one at a time; decode tokens/s is the output tokens after the first over
@@ -38,14 +39,14 @@ from pagedllm.bench.common import (
     write_json,
 )
 from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, check_speculative
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.bench")
 
 TEXT = Path(__file__).resolve().parent / "texts" / "us_constitution.txt"
 DEFAULT_SPEC = (
-    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 5, "prompt_lookup_min": 3}'
 )
 GOAL = 1.8  # batch-1 decode tok/s with speculation over without
 
@@ -61,21 +62,24 @@ SNIPPETS = [
 ]
 
 
-def grounded_prompts() -> list[str]:
-    """The 16 prompts: 12 passages to repeat, 4 snippets to copy."""
+def grounded_requests() -> list[str]:
+    """The 16 user messages: 12 passages to repeat, 4 snippets to copy."""
     paragraphs = [" ".join(p.split()) for p in TEXT.read_text().split("\n\n") if len(p.split()) >= 40]
     step = max(1, len(paragraphs) // 12)
     passages = [" ".join(p.split()[:90]) for p in paragraphs[::step][:12]]
-    prompts = [
-        f"Repeat the following passage exactly.\n\nPassage:\n{p}\n\nRepeated passage:\n" for p in passages
-    ]
-    prompts += [f"Copy the following code exactly.\n\nCode:\n{c}\nCopied code:\n" for c in SNIPPETS]
-    return prompts
+    messages = [f"Repeat the following passage exactly.\n\nPassage:\n{p}" for p in passages]
+    messages += [f"Copy the following code exactly.\n\nCode:\n{c}" for c in SNIPPETS]
+    return messages
+
+
+def grounded_prompts(engine: LLMEngine) -> list[str]:
+    """The 16 requests as the model's chat template renders them (as a chat request would)."""
+    return [engine.apply_chat_template([{"role": "user", "content": m}]) for m in grounded_requests()]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", default=DEFAULT_SPEC, help="speculative_config of the speculating engine.")
-    parser.add_argument("--output-len", type=int, default=160, help="Most output tokens per request.")
+    parser.add_argument("--output-len", type=int, default=200, help="Most output tokens per request.")
     parser.add_argument("--concurrency", type=int, default=8, help="Requests at once in the second run.")
     add_run_args(parser, warmup=True)
     parser.set_defaults(max_model_len=1024)
@@ -101,11 +105,10 @@ def _drain(engine: LLMEngine, first: dict[str, float], last: dict[str, float]) -
     return out
 
 
-def run_system(
-    config: EngineConfig, prompts: list[str], output_len: int, concurrency: int, warmup: bool
-) -> SystemRun:
+def run_system(config: EngineConfig, output_len: int, concurrency: int, warmup: bool) -> SystemRun:
     engine = LLMEngine.from_config(config)
     try:
+        prompts = grounded_prompts(engine)
         params = SamplingParams(temperature=0, max_tokens=output_len)
         if warmup:
             engine.add_request("warmup", prompts[0][:200], SamplingParams(temperature=0, max_tokens=8))
@@ -152,16 +155,17 @@ def _run(args: argparse.Namespace) -> int:
         set_num_threads(args.num_threads)
         base = EngineConfig.from_cli_args(args, speculative_config=None)
         spec = dataclasses.replace(base, speculative_config=args.spec)
+        check_speculative(spec, "generate")  # before the plain engine runs
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    prompts = grounded_prompts()
-    plain = run_system(base, prompts, args.output_len, args.concurrency, args.warmup)
+    plain = run_system(base, args.output_len, args.concurrency, args.warmup)
     try:
-        fast = run_system(spec, prompts, args.output_len, args.concurrency, args.warmup)
+        fast = run_system(spec, args.output_len, args.concurrency, args.warmup)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
+    prompts = plain.tokens
     same = sum(a == b for a, b in zip(plain.tokens, fast.tokens, strict=True))
     st = fast.stats
     acceptance = st["accepted_tokens"] / st["draft_tokens"] if st["draft_tokens"] else 0.0

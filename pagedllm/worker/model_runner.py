@@ -25,8 +25,9 @@ from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.quantization import install_gguf_blocks, quantize_float_linears
 from pagedllm.model.registry import model_class
 from pagedllm.outputs import Logprob
+from pagedllm.sample.logits_processors import needs_logits_processing
 from pagedllm.sample.sampler import DeviceSamples, SampledTokens, Sampler, SamplingInputs
-from pagedllm.spec.rejection import draft_tensor, rejection_sample
+from pagedllm.spec.rejection import draft_tensor, rejection_sample, verify_greedy
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
@@ -514,13 +515,22 @@ class ModelRunner:
             bad_words_token_ids=[r.bad_words_token_ids for r in reqs for _ in range(width)],
             eos_token_ids=reqs[0].eos_token_ids,
         )
-        probs = self.sampler.probabilities(block, batch).view(len(reqs), width, -1)
         drafts, num = draft_tensor([scheduled[sample_rows[j]].draft_token_ids for j in drafted], width - 1)
-        verified = rejection_sample(drafts.to(probs.device), num, probs, None, [r.generator for r in reqs])
-        raw = torch.log_softmax(block.float(), dim=-1).view(len(reqs), width, -1)
+        drafts = drafts.to(logits.device)
+        if all(p.greedy for p in batch.params) and not any(
+            needs_logits_processing(batch, i) for i in range(0, len(index), width)
+        ):  # the target's argmax, with no processor to apply: accept the longest match
+            verified = verify_greedy(drafts, num, block.view(len(reqs), width, -1).argmax(dim=-1))
+        else:
+            probs = self.sampler.probabilities(block, batch).view(len(reqs), width, -1)
+            verified = rejection_sample(drafts, num, probs, None, [r.generator for r in reqs])
+        # Raw log probabilities of the emitted tokens (for the sequences' cumulative log probability).
+        shaped = block.float().view(len(reqs), width, -1)
+        lse = torch.logsumexp(shaped, dim=-1)
         for i, j in enumerate(drafted):
             emitted = verified.token_ids[i]
-            lps = raw[i, torch.arange(len(emitted)), torch.tensor(emitted).clamp(min=0)].tolist()
+            at = torch.arange(len(emitted))
+            lps = (shaped[i, at, torch.tensor(emitted).clamp(min=0)] - lse[i, at]).tolist()
             token_ids[j], sampled_logprobs[j] = emitted[-1], lps[-1]
             accepted[j], accepted_logprobs[j] = emitted[:-1], lps[:-1]
         return VerifiedSamples(

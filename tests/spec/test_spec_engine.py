@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from helpers.model_factory import make_tiny_hf_model
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.spec import grounded_prompts
+from pagedllm.bench.spec import grounded_requests
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.stats import EngineStats
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-PROMPTS = [*grounded_prompts()[::4], "Once upon a time, in a small village,", "1, 2, 3, 4, 5,"]
+PROMPTS = [*grounded_requests()[::4], "Once upon a time, in a small village,", "1, 2, 3, 4, 5,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=48)
 
 
