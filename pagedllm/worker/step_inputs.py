@@ -95,12 +95,33 @@ class StepInputBuilder:
         token_ids = [
             r.all_token_ids[p] if p < r.num_tokens else 0 for r, p in zip(requests, positions, strict=True)
         ]
+        # Request i is flat row i.
+        return self._decode_rows(token_ids, positions, rows, padded, out, sample_rows, sample_rows)
+
+    def _decode_rows(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        table_rows: np.ndarray,
+        padded: int,
+        out: DecodeInputs | None,
+        sample_rows: list[int],
+        logits_indices: list[int],
+    ) -> HostStepInputs:
+        """Inputs of one token per row (``table_rows``: each row's block-table row), padded to
+        ``padded`` rows, written into ``out`` (a fresh buffer when None)."""
+        n = len(token_ids)
         # Only the blocks the longest context reaches are gathered (and, for a fresh buffer, allocated).
         width = max(positions) // self.block_size + 1
         if out is None:
             out = DecodeInputs.zeros(padded, width)
         width = fill_decode_inputs(
-            token_ids, positions, self.block_table_rows.array[rows, :width], self.block_size, padded, out
+            token_ids,
+            positions,
+            self.block_table_rows.array[table_rows, :width],
+            self.block_size,
+            padded,
+            out,
         )
         return HostStepInputs(
             token_ids=out.input_ids[:padded],
@@ -112,7 +133,7 @@ class StepInputBuilder:
             query_lens=[1] * n,
             num_reqs=n,
             sample_rows=sample_rows,
-            logits_indices=sample_rows,  # request i is flat row i
+            logits_indices=logits_indices,
         )
 
     def _verify(
@@ -136,23 +157,8 @@ class StepInputBuilder:
             token_ids += [req.all_token_ids[start], *item.draft_token_ids]
             positions += range(start, start + item.num_tokens)
             owners += [i] * item.num_tokens
-        n = len(token_ids)
-        width = max(positions) // self.block_size + 1
-        out = DecodeInputs.zeros(n, width)
-        width = fill_decode_inputs(
-            token_ids, positions, self.block_table_rows.array[rows[owners], :width], self.block_size, n, out
-        )
-        return HostStepInputs(
-            token_ids=out.input_ids[:n],
-            positions=out.positions[:n],
-            slot_mapping=out.slot_mapping[:n],
-            query_start_loc=np.arange(n + 1, dtype=np.int32),
-            seq_lens=out.seq_lens[:n],
-            block_tables=out.block_tables[: n * width].reshape(n, width),
-            query_lens=[1] * n,
-            num_reqs=n,
-            sample_rows=sample_rows,
-            logits_indices=logits_indices,
+        return self._decode_rows(
+            token_ids, positions, rows[owners], len(token_ids), None, sample_rows, logits_indices
         )
 
     def _mixed(
