@@ -169,6 +169,12 @@ class LLMEngine:
         self.proposer = (
             NgramProposer(self.speculative, self.max_model_len) if self.speculative is not None else None
         )
+        if self.speculative is not None:
+            logger.info(
+                "Speculative decoding: %s; scheduling ahead is off with it, and steps that verify drafts "
+                "run without CUDA graphs.",
+                self.speculative,
+            )
         self.num_drafts = 0  # request steps that verified drafts, total
         self.num_draft_tokens = 0  # draft tokens verified, total
         self.num_accepted_tokens = 0  # of those, accepted
