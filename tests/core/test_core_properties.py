@@ -128,33 +128,26 @@ op_strategy = st.lists(
     st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "abort"]), st.integers(0, 1000)),
     max_size=60,
 )
+# The scheduler and pool settings every random-operations test draws.
+SCHEDULER_CASES = {
+    "ops": op_strategy,
+    "num_blocks": st.integers(4, 40),
+    "block_size": st.sampled_from([1, 2, 4, 16]),
+    "max_seqs": st.integers(1, 8),
+    "budget": st.integers(1, 64),
+    "caching": st.booleans(),
+    "seed": st.integers(0, 2**16),
+}
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    ops=op_strategy,
-    num_blocks=st.integers(4, 40),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    max_seqs=st.integers(1, 8),
-    budget=st.integers(1, 64),
-    caching=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**SCHEDULER_CASES)
 def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, max_seqs, budget, caching, seed):
     drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed)
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    ops=op_strategy,
-    num_blocks=st.integers(4, 40),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    max_seqs=st.integers(1, 8),
-    budget=st.integers(1, 64),
-    caching=st.booleans(),
-    seed=st.integers(0, 2**16),
-    window=st.integers(1, 40),
-)
+@given(**SCHEDULER_CASES, window=st.integers(1, 40))
 def test_random_add_step_abort_with_a_sliding_window(
     ops, num_blocks, block_size, max_seqs, budget, caching, seed, window
 ):
@@ -164,15 +157,7 @@ def test_random_add_step_abort_with_a_sliding_window(
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    ops=op_strategy,
-    num_blocks=st.integers(4, 40),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    max_seqs=st.integers(1, 8),
-    budget=st.integers(1, 64),
-    caching=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**SCHEDULER_CASES)
 def test_random_add_step_abort_under_priority(ops, num_blocks, block_size, max_seqs, budget, caching, seed):
     """Priorities 0-2, urgent arrivals preempting less urgent running requests: the same invariants,
     both queues in (priority, arrival) order, and every request finishes."""
