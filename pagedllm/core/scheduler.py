@@ -51,6 +51,14 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Blocks entered in the prefix cache by this schedule, to be computed by its forward.
     newly_cached_blocks: list[int] = field(default_factory=list)
+    # Requests preempted by swapping their KV out to the host tier (a subset of ``preempted``), and
+    # swapped requests brought back (they are among ``scheduled_requests``).
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    # KV block copies made before the step's forward, all device -> host ones first:
+    # (device block, host block) to the host tier, then (host block, device block) back.
+    copies_out: list[tuple[int, int]] = field(default_factory=list)
+    copies_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

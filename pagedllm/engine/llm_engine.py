@@ -19,16 +19,18 @@ from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_processor import PoolingLimits, PoolingProcessor, resolve_task
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_events import StepEvents
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.generation_config import load_generation_defaults
 from pagedllm.model.pooling import resolve_pooling_config
 from pagedllm.model.tokenizer import render_chat
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.request import RequestStatus
+from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec.config import SpeculativeConfig, parse_speculative_config
-from pagedllm.spec.proposer import NgramProposer
+from pagedllm.spec.proposer import NgramProposer, Proposer
+from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
 from pagedllm.worker.executor import Executor
 from pagedllm.worker.model_runner import ModelRunner, StepSamples
@@ -60,11 +62,6 @@ def check_speculative(config: EngineConfig, task: str) -> SpeculativeConfig | No
     spec = parse_speculative_config(config.speculative_config)
     if spec is None:
         return None
-    if spec.method != "ngram":
-        raise ValueError(
-            "speculative_config.model: draft-model speculation is not available yet; use "
-            '{"method": "ngram", ...} (prompt lookup).'
-        )
     if task != "generate" or config.world_size > 1 or config.nnodes > 1:
         raise ValueError(
             "speculative_config: speculative decoding runs on one rank of a generating model (not with "
@@ -166,9 +163,7 @@ class LLMEngine:
         self.eos_token_ids = list(executor.model_config.eos_token_ids)
         self.max_model_len = executor.max_model_len
         self.device = executor.device
-        self.proposer = (
-            NgramProposer(self.speculative, self.max_model_len) if self.speculative is not None else None
-        )
+        self.proposer = self._make_proposer(self.speculative)
         if self.speculative is not None:
             logger.info(
                 "Speculative decoding: %s; scheduling ahead is off with it, and steps that verify drafts "
@@ -247,6 +242,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.num_prompt_tokens = 0
+        self.step_events = StepEvents()  # a bounded record of the latest steps (the dashboard's)
         self.step_times = StepPhaseTimes()
         self.num_generation_tokens = 0
         # The objects made so far (model, tokenizer, torch and transformers modules) live as long as
@@ -271,6 +267,15 @@ class LLMEngine:
             "on" if self.async_scheduling else "off",
             self.task,
         )
+
+    def _make_proposer(self, spec: SpeculativeConfig | None) -> Proposer | None:
+        """Prompt lookup, or a draft model loaded next to the target (its own KV cache)."""
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec, self.max_model_len)
+        assert isinstance(self.executor, Executor)
+        return DraftModelProposer(spec, self.config, self.executor)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -458,6 +463,7 @@ class LLMEngine:
             if scheduled.needs_sample:  # the rows that get a token
                 req.num_pending_tokens += 1
         self.scheduler.update_after_step(scheduler_output)
+        self.step_events.record(scheduler_output, self, time.perf_counter() - started)
         return LaunchedStep(scheduler_output, rows, sampled)
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
@@ -473,6 +479,7 @@ class LLMEngine:
         process_token = self.output_processor.process_token
         now = time.monotonic()
         generated = 0
+        continuing: list[Request] = []  # requests that go on (they may get drafts)
         for j, row in enumerate(step.rows):
             req = scheduled[row].request
             req.num_pending_tokens -= 1
@@ -495,11 +502,12 @@ class LLMEngine:
                     self.scheduler.finish_request(req, status)
                     break
             else:
-                if self.proposer is not None:
-                    req.spec_token_ids = self.proposer.propose(req)
+                continuing.append(req)
             assert req.parent_id is not None
             touched[req.parent_id] = None
         self.num_generation_tokens += generated
+        if self.proposer is not None and continuing:
+            self.proposer.propose_all(continuing)
         outputs = []
         for pid in touched:
             parent = self.output_processor.parents.get(pid)
@@ -552,6 +560,8 @@ class LLMEngine:
         assert not self.output_processor.parents, "request state left behind"
         assert self.task != "embed" or not self.pooling.requests, "pooling request state left behind"
         self.kv_cache_manager.check_idle()
+        if self.proposer is not None:
+            self.proposer.check_idle()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

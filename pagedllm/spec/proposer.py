@@ -9,9 +9,21 @@ capped so that verifying them stays within ``max_model_len`` and every emitted t
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from pagedllm.request import Request
 from pagedllm.spec.config import SpeculativeConfig
 from pagedllm.spec.ngram import propose_ngram
+
+
+class Proposer(Protocol):
+    """What the engine asks of a proposer, after each step, for the requests that go on."""
+
+    def propose_all(self, requests: list[Request]) -> None:
+        """Set each request's ``spec_token_ids`` (possibly empty) for its next step."""
+
+    def check_idle(self) -> None:
+        """Assert that no state of finished requests is left (an idle engine's check)."""
 
 
 class NgramProposer:
@@ -37,3 +49,11 @@ class NgramProposer:
         if k <= 0:
             return []
         return propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
+
+    def propose_all(self, requests: list[Request]) -> None:
+        """Set ``spec_token_ids`` of each request (running, its latest token on the host)."""
+        for request in requests:
+            request.spec_token_ids = self.propose(request)
+
+    def check_idle(self) -> None:
+        """Prompt lookup holds no state between steps."""
