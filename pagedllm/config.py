@@ -11,6 +11,8 @@ QUANTIZATION_METHODS = ("auto", "none", "int8", "fp8")
 # Values of EngineConfig.task and EngineConfig.pooling_type.
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("mean", "cls", "last")
+# Values of EngineConfig.preemption_mode.
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass
@@ -88,6 +90,11 @@ class EngineConfig:
     # Speculative decoding, as JSON with vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup; pagedllm.spec.config).
     speculative_config: str | None = None
+    # The host tier of the KV cache, in GiB of host memory (0: none), and how requests are preempted
+    # when device blocks run out: "recompute", "swap" (to the host tier) or "auto" (whichever the
+    # measured copy bandwidth and compute rate say is quicker; recompute without a host tier).
+    swap_space: float = 0.0
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -139,6 +146,19 @@ class EngineConfig:
             raise ValueError("pipeline_layer_partition applies to pipeline_parallel_size > 1.")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}.")
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space}.")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}."
+            )
+        if self.swap_space and (self.world_size > 1 or self.nnodes > 1):
+            raise ValueError(
+                "swap_space: the host tier of the KV cache runs with one rank (not with "
+                "tensor_parallel_size or pipeline_parallel_size above 1)."
+            )
+        if self.preemption_mode == "swap" and not self.swap_space:
+            raise ValueError("preemption_mode 'swap' needs a host tier: set swap_space (GiB) above 0.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 

@@ -86,6 +86,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"  # preempted with its KV kept in the host tier (``host_block_ids``)
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -134,6 +135,9 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    # While swapped out: the host-tier blocks holding its KV, entry for entry as ``block_ids`` held
+    # them (released entries stay released); empty otherwise.
+    host_block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     cumulative_logprob: float = 0.0

@@ -53,6 +53,10 @@ BENCHMARKS = {
         "pagedllm.bench.spec",
         "Speculative decoding (prompt lookup) against plain decoding on input-grounded requests.",
     ),
+    "swap": (
+        "pagedllm.bench.swap",
+        "Preemption by swapping KV to the host tier (auto) against recompute, on an oversubscribed KV pool.",
+    ),
     "parallel": (
         "pagedllm.bench.parallel",
         "Throughput of tensor/pipeline-parallel ranks against one rank on the same cores, and each rank's "

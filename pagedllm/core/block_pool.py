@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -17,6 +17,7 @@ class KVBlock:
     """
 
     block_id: int
+    on_host: bool = False  # a block of the host tier's pool (not of the device's)
     ref_cnt: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
@@ -37,10 +38,13 @@ class BlockPool:
     data-parallel front-end needs to know where prefixes are cached.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, on_host: bool = False) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i, on_host) for i in range(num_blocks)]
+        # Called with each cached block that :meth:`allocate` evicts, before it is unregistered (the
+        # host tier keeps a copy of it).
+        self.on_evict: Callable[[KVBlock], None] | None = None
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.report_events = False
@@ -92,6 +96,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._forget(block)
             block.ref_cnt = 1
             out.append(block)

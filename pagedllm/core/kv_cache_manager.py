@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.host_tier import HostTier
 from pagedllm.request import Request
 
 # A block-table entry whose block was released (it lies wholly before the attention window of every
@@ -80,7 +81,12 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        sliding_window: int | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive integer, got {sliding_window}.")
@@ -89,6 +95,11 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.stats = PrefixCacheStats()
+        # The host tier (``num_host_blocks`` > 0): swapped requests' KV, and the cached blocks the
+        # device pool evicts, which prefix lookups find there when the device has lost them.
+        self.host = HostTier(num_host_blocks, enable_caching) if num_host_blocks else None
+        if self.host is not None and enable_caching:
+            self.pool.on_evict = self.host.keep_evicted
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,16 +113,21 @@ class KVCacheManager:
         return tuple(request.all_token_ids[i * bs : (i + 1) * bs])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of the request's tokens, leaving at least one token to compute."""
+        """Longest cached prefix of the request's tokens, leaving at least one token to compute.
+        Each block is a device block or, where the device has lost it, a host-tier block
+        (``on_host``), which :meth:`allocate_slots` copies back."""
         if not self.enable_caching or not request.uses_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         parent = _ROOT_HASH
+        host = self.host
         for i in range(max_blocks):
             tokens = self._block_tokens(request, i)
             h = hash_block(parent, tokens)
             block = self.pool.lookup(h, tokens)
+            if block is None and host is not None:
+                block = host.lookup(h, tokens)
             if block is None:
                 break
             hits.append(block)
@@ -132,9 +148,10 @@ class KVCacheManager:
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
-        ``computed`` are prefix-cache hits for a request being admitted. Returns False and changes
-        nothing when there are not enough free blocks (blocks released from the window stay
-        released: the request no longer needs them either way).
+        ``computed`` are prefix-cache hits for a request being admitted; those in the host tier get
+        new device blocks, copied in before the step's forward and registered in the device's cache.
+        Returns False and changes nothing when there are not enough free blocks (blocks released from
+        the window stay released: the request no longer needs them either way).
         """
         if self.sliding_window is not None and request.block_ids:
             self.release_out_of_window(request)
@@ -149,19 +166,69 @@ class KVCacheManager:
         # (Hits come only with a request being admitted, which holds no blocks yet.)
         skip = min(self._first_needed_block(num_computed), len(computed)) if computed else 0
         kept = computed[skip:]
-        hits_from_free = sum(1 for b in kept if b.ref_cnt == 0)
-        if need + hits_from_free > self.pool.num_free_blocks:
+        on_host = [b for b in kept if b.on_host]
+        on_device = [b for b in kept if not b.on_host]
+        hits_from_free = sum(1 for b in on_device if b.ref_cnt == 0)
+        if need + len(on_host) + hits_from_free > self.pool.num_free_blocks:
             return False
         if computed:
-            self.pool.touch(kept)
+            self.pool.touch(on_device)
             request.block_ids.extend([RELEASED_BLOCK] * skip)
-            request.block_ids.extend(b.block_id for b in kept)
+            if on_host:
+                request.block_ids.extend(self._restore(kept, on_host))
+            else:
+                request.block_ids.extend(b.block_id for b in kept)
             for b in computed:
                 assert b.block_hash is not None
                 request.block_hashes.append(b.block_hash)
         if need:
             request.block_ids.extend(b.block_id for b in self.pool.allocate(need))
         return True
+
+    def _restore(self, kept: list[KVBlock], on_host: list[KVBlock]) -> list[int]:
+        """The device block ids of ``kept`` hits, the host ones copied into new device blocks."""
+        assert self.host is not None
+        self.host.hold(on_host)  # first: evictions the allocation below copies out must not take them
+        fresh = self.pool.allocate(len(on_host))
+        self.host.restore(on_host, fresh, self.block_size)
+        restored = iter(fresh)
+        ids = []
+        for b in kept:
+            if not b.on_host:
+                ids.append(b.block_id)
+                continue
+            block = next(restored)
+            assert b.block_hash is not None and b.token_ids is not None
+            self.pool.register(block.block_id, b.block_hash, b.token_ids)
+            ids.append(block.block_id)
+        return ids
+
+    # -- swapping ----------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> bool:
+        """Move the request's KV to the host tier, freeing its device blocks (False, nothing
+        changed: no host tier, or too few free host blocks)."""
+        return self.host is not None and self.host.swap_out(request, self.pool)
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Bring a swapped request's KV back to new device blocks and make room for
+        ``num_new_tokens`` more (False, nothing changed, when the device lacks the blocks)."""
+        assert self.host is not None and request.host_block_ids
+        held = sum(1 for h in request.host_block_ids if h != RELEASED_BLOCK)
+        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        if held + max(0, total - len(request.host_block_ids)) > self.pool.num_free_blocks:
+            return False
+        if not self.host.swap_in(request, self.pool):
+            return False
+        for i, h in enumerate(request.block_hashes):  # its full blocks are shared again
+            if request.block_ids[i] != RELEASED_BLOCK:
+                self.pool.register(request.block_ids[i], h, self._block_tokens(request, i))
+        ok = self.allocate_slots(request, num_new_tokens)
+        assert ok, "room was checked above"
+        return True
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The block copies between the tiers that the step being scheduled makes (see HostTier)."""
+        return self.host.take_copies() if self.host is not None else ([], [])
 
     def _first_needed_block(self, num_computed_tokens: int) -> int:
         """Logical index of the first block that tokens from position ``num_computed_tokens`` on
@@ -221,10 +288,18 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; tail blocks go first in the eviction order."""
         self.pool.free([b for b in reversed(request.block_ids) if b != RELEASED_BLOCK])
+        if request.host_block_ids:
+            assert self.host is not None
+            self.host.free(request)
         request.block_ids = []
         request.block_hashes = []
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block of both tiers; only possible while no block is referenced."""
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            return False
+        if self.host is not None and not self.host.pool.reset_prefix_cache():
+            return False
         return self.pool.reset_prefix_cache()
 
     def check_idle(self) -> None:
@@ -232,3 +307,5 @@ class KVCacheManager:
         bad = [b.block_id for b in self.pool.blocks if b.ref_cnt != 0]
         if bad or self.pool.num_free_blocks != self.pool.num_blocks:
             raise AssertionError(f"KV blocks still referenced while idle: {bad[:10]}")
+        if self.host is not None:
+            self.host.check_idle()

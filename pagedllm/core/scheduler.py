@@ -1,4 +1,4 @@
-"""Token-centric continuous-batching scheduler with recompute preemption."""
+"""Token-centric continuous-batching scheduler with preemption by recompute or by swapping."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, KVCacheManager
+from pagedllm.core.preemption import PreemptionCosts
 from pagedllm.request import Request, RequestStatus
 
 
@@ -26,6 +27,10 @@ class SchedulerConfig:
     interleaved_steps: int = 1
     # "fcfs", or "priority": requests in order of (priority, arrival), lower values first.
     policy: str = "fcfs"
+    # How a victim is preempted: "recompute" (its KV is dropped), "swap" (its KV moves to the host
+    # tier when that has room, else recompute) or "auto" (swap when ``costs`` say it is quicker).
+    preemption_mode: str = "recompute"
+    costs: PreemptionCosts | None = None  # needed by "auto" with a host tier
 
 
 @dataclass
@@ -68,16 +73,19 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes.
 
-    Queues: ``waiting`` and ``running``, each in the policy's order. FCFS: ``waiting`` by arrival
-    (preempted requests re-enter at its front), ``running`` by admission (the newest last).
-    Priority: both by ``(priority, arrival)``, lower priority values first. A request is in at most
-    one queue; finished and aborted requests are in none and hold no blocks.
+    Queues: ``waiting``, ``running`` and ``swapped``, each in the policy's order. FCFS: ``waiting``
+    by arrival (preempted requests re-enter at its front), ``running`` by admission (the newest last),
+    ``swapped`` by arrival. Priority: all by ``(priority, arrival)``, lower priority values first. A
+    request is in at most one queue; finished and aborted requests are in none and hold no blocks.
+    Only ``running`` requests hold device blocks; only ``swapped`` ones hold host-tier blocks.
 
     Each step: running requests first (a decode costs 1 token; an unfinished prefill continues in
     chunks), then waiting requests fill the remaining token budget, under ``max_num_seqs``. When
     blocks run out, the last running request (the newest; under priority, the least urgent) is
-    preempted by recompute: its blocks are freed and it goes back to ``waiting`` (its cached full
-    blocks usually survive). Under priority, waiting requests more urgent than the least urgent
+    preempted: by recompute, its blocks are freed and it goes back to ``waiting`` (its cached full
+    blocks usually survive); by swapping, its KV moves to the host tier and it goes to ``swapped``,
+    from where it comes back, ahead of waiting requests, as soon as the device has blocks for it (in
+    a step that preempted nothing, so no step both swaps out and in). Under priority, waiting requests more urgent than the least urgent
     running one are admitted before the running requests are scheduled, preempting less urgent
     running requests when there is no room (blocks or ``max_num_seqs``) for them.
 
@@ -94,6 +102,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self._arrivals = itertools.count()  # arrival order, which breaks ties between priorities
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -104,20 +113,27 @@ class Scheduler:
         request.arrival_order = next(self._arrivals)
         self._insert(self.waiting, request)
 
-    def _insert(self, queue: deque[Request] | list[Request], request: Request) -> None:
+    def _insert(
+        self, queue: deque[Request] | list[Request], request: Request, by_arrival: bool = False
+    ) -> None:
         """Append ``request`` (FCFS), or insert it after every request of its priority or a more
-        urgent one (priority: the queue stays ordered by ``(priority, arrival)``)."""
-        if self.config.policy != "priority":
+        urgent one (priority: the queue stays ordered by ``(priority, arrival)``); ``by_arrival``
+        keeps an FCFS queue in arrival order too."""
+        priority = self.config.policy == "priority"
+        if not priority and not by_arrival:
             queue.append(request)
             return
-        key = (request.priority, request.arrival_order)
+
+        def key(r: Request) -> tuple[int, int]:
+            return (r.priority if priority else 0, r.arrival_order)
+
         at = len(queue)
-        while at > 0 and (queue[at - 1].priority, queue[at - 1].arrival_order) > key:
+        while at > 0 and key(queue[at - 1]) > key(request):
             at -= 1
         queue.insert(at, request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_waiting(self) -> int:
@@ -127,6 +143,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from its queue and free its blocks at once."""
         assert status.finished
@@ -134,6 +154,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
@@ -147,24 +169,40 @@ class Scheduler:
                 aborted.append(request)
         return aborted
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        if self._swaps(request) and self.kv_cache_manager.swap_out(request):
+            request.status = RequestStatus.SWAPPED
+            self._insert(self.swapped, request, by_arrival=True)
+            out.swapped_out.append(request)
+            return
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         if self.config.policy == "priority":
             self._insert(self.waiting, request)
         else:
             self.waiting.appendleft(request)
+
+    def _swaps(self, request: Request) -> bool:
+        """Whether the preemption mode swaps this victim out (rather than recomputing it later)."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.kv_cache_manager.host is None or not request.num_computed_tokens:
+            return False
+        if mode == "swap" or self.config.costs is None:
+            return True
+        held = sum(1 for b in request.block_ids if b != RELEASED_BLOCK)
+        return self.config.costs.prefers_swap(held, request.num_computed_tokens)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         groups = self.config.interleaved_steps
-        most = -(-(len(self.running) + len(self.waiting)) // groups)  # requests in this step
+        most = -(-(len(self.running) + len(self.waiting) + len(self.swapped)) // groups)  # in this step
         scheduled: set[str] = set()
 
         # 0. Priority: waiting requests more urgent than the least urgent running one come first, and
@@ -180,9 +218,7 @@ class Scheduler:
                     continue
                 num_new = self._admit(out, idx, budget)
                 while num_new is None and self.running and self.running[-1].priority > request.priority:
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    out.preempted.append(victim)
+                    self._preempt(self.running[-1], out)
                     num_new = self._admit(out, idx, budget)
                 if num_new is None:
                     break
@@ -214,8 +250,7 @@ class Scheduler:
                 # being scheduled in ``running`` (the requests scheduled before it come earlier, or
                 # got in first, in step 0), or is that request.
                 victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is request:
                     break
             else:
@@ -225,8 +260,12 @@ class Scheduler:
                 continue
             # The current request was preempted; the list shifted, do not advance i.
 
-        # 2. Waiting requests fill the rest (not in a step that had to preempt).
-        if not out.preempted:
+        # 2. Swapped requests come back first, then waiting requests fill the rest (not in a step that
+        #    had to preempt, nor while a swapped request waits for room).
+        blocked = False
+        if not out.preempted and self.swapped:
+            budget, blocked = self._swap_in(out, budget, most)
+        if not out.preempted and not blocked:
             idx = 0
             while idx < len(self.waiting) and budget > 0 and len(out.scheduled_requests) < most:
                 request = self.waiting[idx]
@@ -243,7 +282,33 @@ class Scheduler:
         ):
             budget += self._drop_drafts(out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.copies_out, out.copies_in = self.kv_cache_manager.take_copies()
         return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int, most: int) -> tuple[int, bool]:
+        """Bring swapped requests back, in order, while there is room; returns the budget left and
+        whether one is left waiting for room (one whose token is in flight waits for that instead)."""
+        idx = 0
+        while idx < len(self.swapped):
+            request = self.swapped[idx]
+            if request.num_pending_tokens:
+                idx += 1
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if (
+                num_new <= 0
+                or len(out.scheduled_requests) >= most
+                or len(self.running) >= self.config.max_num_seqs
+                or not self.kv_cache_manager.swap_in(request, num_new)
+            ):
+                return budget, True
+            del self.swapped[idx]
+            request.status = RequestStatus.RUNNING
+            self._insert(self.running, request)
+            self._schedule(out, request, num_new)
+            out.swapped_in.append(request)
+            budget -= num_new
+        return budget, False
 
     @staticmethod
     def _drop_drafts(out: SchedulerOutput) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.engine_checks import check_priority, check_speculative
 from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_processor import PoolingLimits, PoolingProcessor, resolve_task
@@ -28,7 +29,7 @@ from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec.config import SpeculativeConfig, parse_speculative_config
+from pagedllm.spec.config import SpeculativeConfig
 from pagedllm.spec.proposer import NgramProposer, Proposer
 from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
@@ -43,36 +44,6 @@ logger = logging.getLogger("pagedllm")
 
 # Environment variable naming an engine step that fails on purpose (for tests of engine death).
 FAULT_INJECTION_ENV = "PAGEDLLM_INJECT_FAULT_AT_STEP"
-
-
-def check_priority(priority: object, policy: str) -> None:
-    """Raise ValueError naming ``priority`` unless it is an integer the policy accepts."""
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise ValueError(f"priority must be an integer, got {priority!r}.")
-    if priority != 0 and policy != "priority":
-        raise ValueError(
-            f"priority {priority}: requests have priorities under scheduling_policy 'priority' only "
-            f"(this engine runs {policy!r}; start it with --scheduling-policy priority)."
-        )
-
-
-def check_speculative(config: EngineConfig, task: str) -> SpeculativeConfig | None:
-    """The engine's speculative-decoding configuration (None: off); ValueError, naming the field,
-    where it cannot run."""
-    spec = parse_speculative_config(config.speculative_config)
-    if spec is None:
-        return None
-    if task != "generate" or config.world_size > 1 or config.nnodes > 1:
-        raise ValueError(
-            "speculative_config: speculative decoding runs on one rank of a generating model (not with "
-            "task 'embed', tensor_parallel_size or pipeline_parallel_size)."
-        )
-    if config.async_scheduling:
-        raise ValueError(
-            "speculative_config: async_scheduling cannot be on with speculative decoding (the drafts "
-            "follow the latest token, which scheduling ahead does not have yet)."
-        )
-    return spec
 
 
 def _freeze_startup_objects() -> None:
@@ -140,8 +111,11 @@ class LLMEngine:
         if self.task != "embed" and (config.pooling_type is not None or config.pooling_normalize is not None):
             raise ValueError("pooling_type and pooling_normalize apply to task 'embed' only.")
         self.speculative = check_speculative(config, self.task)  # before any rank process starts
-        if self.task == "embed" and config.async_scheduling:
-            raise ValueError("async_scheduling does not apply to task embed: a step's outputs are its own.")
+        if self.task == "embed" and (config.async_scheduling or config.swap_space):
+            raise ValueError(
+                f"{'async_scheduling' if config.async_scheduling else 'swap_space'} does not apply to task "
+                "embed: a prompt is computed and pooled in one step."
+            )
         self.executor: Executor | EncoderExecutor
         if config.world_size > 1 or config.nnodes > 1:
             if encoder or config.node_rank:
@@ -228,6 +202,9 @@ class LLMEngine:
             config.block_size,
             prefix_caching,
             sliding_window=uniform_sliding_window(executor.model_config),
+            num_host_blocks=executor.host_kv.num_blocks
+            if isinstance(executor, Executor) and executor.host_kv
+            else 0,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -237,6 +214,8 @@ class LLMEngine:
                 uses_kv_cache=not encoder,
                 interleaved_steps=interleaved,
                 policy=config.scheduling_policy,
+                preemption_mode=config.preemption_mode,
+                costs=getattr(executor, "preemption_costs", None),
             ),
             self.kv_cache_manager,
         )
@@ -267,6 +246,7 @@ class LLMEngine:
             "on" if self.async_scheduling else "off",
             self.task,
         )
+        self._log_host_tier()
 
     def _make_proposer(self, spec: SpeculativeConfig | None) -> Proposer | None:
         """Prompt lookup, or a draft model loaded next to the target (its own KV cache)."""
@@ -276,6 +256,19 @@ class LLMEngine:
             return NgramProposer(spec, self.max_model_len)
         assert isinstance(self.executor, Executor)
         return DraftModelProposer(spec, self.config, self.executor)
+
+    def _log_host_tier(self) -> None:
+        host, costs = self.kv_cache_manager.host, self.scheduler.config.costs
+        if host is not None and costs is not None:
+            logger.info(
+                "Host KV tier: %d blocks (%.0f MiB); preemption %s; measured copies %.2f GB/s, products "
+                "%.1f GFLOP/s",
+                host.pool.num_blocks,
+                host.pool.num_blocks * costs.block_bytes / 2**20,
+                self.config.preemption_mode,
+                costs.copy_bytes_per_s / 1e9,
+                costs.flops_per_s / 1e9,
+            )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -443,6 +436,8 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if scheduler_output.copies_out and isinstance(self.executor, Executor):
+                self.executor.copy_blocks(scheduler_output)  # victims swapped out for nothing to run
             return None
         times.steps += 1
         times.schedule += time.perf_counter() - started
@@ -544,7 +539,24 @@ class LLMEngine:
             spec_drafts=self.num_drafts,
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
+            **self._swap_stats(),
         )
+
+    def _swap_stats(self) -> dict[str, int]:
+        host = self.kv_cache_manager.host
+        if host is None:
+            return {}
+        block_bytes = self.executor.kv_cache_bytes // max(1, self.kv_cache_manager.pool.num_blocks)
+        return {
+            "num_swapped": self.scheduler.num_swapped,
+            "num_host_blocks": host.pool.num_blocks,
+            "num_free_host_blocks": host.pool.num_free_blocks,
+            "swapped_out": host.stats.swapped_out,
+            "swapped_in": host.stats.swapped_in,
+            "swap_out_bytes": host.stats.blocks_out * block_bytes,
+            "swap_in_bytes": host.stats.blocks_in * block_bytes,
+            "host_prefix_cache_hits": host.stats.host_hit_tokens,
+        }
 
     def shutdown(self) -> None:
         """Stop what the executor started (the other ranks of a parallel model); the engine cannot

@@ -105,6 +105,39 @@ class EngineMetrics:
             per_engine,
             registry=reg,
         )
+        self._num_requests_swapped = Gauge(
+            PREFIX + "num_requests_swapped",
+            "Number of requests swapped out to the host tier of the KV cache.",
+            per_engine,
+            registry=reg,
+            multiprocess_mode="mostrecent",
+        )
+        self._host_kv_usage_perc = Gauge(
+            PREFIX + "host_kv_cache_usage_perc",
+            "Fraction of the host tier's KV blocks in use by swapped requests (0 without a host tier).",
+            per_engine,
+            registry=reg,
+            multiprocess_mode="mostrecent",
+        )
+        # Counters fed from the EngineStats field of the same name.
+        self._swap_counters = {
+            field: Counter(PREFIX + name, doc, per_engine, registry=reg)
+            for field, name, doc in (
+                (
+                    "swapped_out",
+                    "num_swapped_out",
+                    "Requests preempted by swapping their KV to the host tier.",
+                ),
+                ("swapped_in", "num_swapped_in", "Swapped requests brought back to the device."),
+                ("swap_out_bytes", "swap_out_bytes", "KV bytes copied from the device to the host tier."),
+                ("swap_in_bytes", "swap_in_bytes", "KV bytes copied from the host tier to the device."),
+                (
+                    "host_prefix_cache_hits",
+                    "host_prefix_cache_hits",
+                    "Prompt tokens found in the host tier's prefix cache (also counted in prefix_cache_hits).",
+                ),
+            )
+        }
         self._num_preemptions = Counter(
             PREFIX + "num_preemptions",
             "Requests preempted to free KV-cache blocks.",
@@ -184,6 +217,9 @@ class EngineMetrics:
                 self._spec_drafts,
                 self._spec_draft_tokens,
                 self._spec_accepted_tokens,
+                self._num_requests_swapped,
+                self._host_kv_usage_perc,
+                *self._swap_counters.values(),
             ):
                 family.labels(name, engine)
 
@@ -194,6 +230,11 @@ class EngineMetrics:
         self._num_requests_running.labels(name, engine).set(stats.num_running)
         self._num_requests_waiting.labels(name, engine).set(stats.num_waiting)
         self._kv_cache_usage_perc.labels(name, engine).set(stats.kv_cache_usage)
+        self._num_requests_swapped.labels(name, engine).set(stats.num_swapped)
+        host_used = stats.num_host_blocks - stats.num_free_host_blocks
+        self._host_kv_usage_perc.labels(name, engine).set(
+            host_used / stats.num_host_blocks if host_used else 0.0
+        )
         last = self._last_stats.get(engine) or EngineStats()
         for counter, new, old in (
             (self._prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
@@ -204,6 +245,7 @@ class EngineMetrics:
             (self._spec_drafts, stats.spec_drafts, last.spec_drafts),
             (self._spec_draft_tokens, stats.spec_draft_tokens, last.spec_draft_tokens),
             (self._spec_accepted_tokens, stats.spec_accepted_tokens, last.spec_accepted_tokens),
+            *((c, getattr(stats, f), getattr(last, f)) for f, c in self._swap_counters.items()),
         ):
             if new > old:
                 counter.labels(name, engine).inc(new - old)
@@ -212,7 +254,13 @@ class EngineMetrics:
     def clear_engine(self, engine: str) -> None:
         """An engine core is gone: its gauges read zero (its counters keep their totals)."""
         name = self.model_name
-        for gauge in (self._num_requests_running, self._num_requests_waiting, self._kv_cache_usage_perc):
+        for gauge in (
+            self._num_requests_running,
+            self._num_requests_waiting,
+            self._kv_cache_usage_perc,
+            self._num_requests_swapped,
+            self._host_kv_usage_perc,
+        ):
             gauge.labels(name, engine).set(0)
 
     def set_engines_alive(self, n: int) -> None:

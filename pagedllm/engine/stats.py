@@ -22,3 +22,11 @@ class EngineStats:
     spec_drafts: int = 0  # speculative decoding: request steps that verified drafts, total
     spec_draft_tokens: int = 0  # draft tokens verified, total
     spec_accepted_tokens: int = 0  # of those, accepted by the target model
+    num_swapped: int = 0  # requests swapped out to the host tier now
+    num_host_blocks: int = 0  # blocks of the host tier (0: none)
+    num_free_host_blocks: int = 0
+    swapped_out: int = 0  # requests preempted by swapping out, total
+    swapped_in: int = 0  # requests brought back from the host tier, total
+    swap_out_bytes: int = 0  # KV bytes copied device -> host (swaps and evictions kept), total
+    swap_in_bytes: int = 0  # KV bytes copied host -> device (swaps in, host prefix hits), total
+    host_prefix_cache_hits: int = 0  # prompt tokens found in the host tier's prefix cache, total

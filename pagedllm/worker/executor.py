@@ -18,6 +18,7 @@ import torch
 
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.core.preemption import PreemptionCosts
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
@@ -26,6 +27,7 @@ from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, StepSamples, resolve_device, resolve_dtype
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.swap import HostKVCache, forward_parameters, measure_costs
 
 logger = logging.getLogger("pagedllm")
 
@@ -85,6 +87,17 @@ class Executor:
         del ckpt, weights
         self.num_kv_blocks = self._agree_kv_blocks(self._num_kv_blocks())
         self.runner.allocate_kv_cache(self.num_kv_blocks)
+        # The host tier (``swap_space`` GiB of blocks laid out as the device's), with the figures
+        # ``auto`` preemption weighs, measured here.
+        self.host_kv: HostKVCache | None = None
+        self.preemption_costs: PreemptionCosts | None = None
+        num_host = int(config.swap_space * 2**30) // self.runner.kv_bytes_per_block
+        if num_host:
+            assert self.runner.kv_cache is not None
+            self.host_kv = HostKVCache(self.runner.kv_cache, num_host)
+            self.preemption_costs = measure_costs(
+                self.model_config, self.runner.kv_cache, self.host_kv, forward_parameters(self.model_config)
+            )
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_cuda_graphs(config.max_num_seqs)
         elif self.device.type == "cpu" and not config.enforce_eager:
@@ -116,8 +129,17 @@ class Executor:
     def launch(
         self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
     ) -> tuple[list[int], StepSamples | None]:
-        """Launch a step's forward and sampling: the rows that sample, and their tokens (on the device)."""
+        """Launch a step's forward and sampling: the rows that sample, and their tokens (on the device).
+        The step's block copies between the tiers are made first."""
+        self.copy_blocks(scheduler_output)
         return self.runner.launch(scheduler_output, times)
+
+    def copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Make the step's block copies between the device's KV cache and the host tier."""
+        out, into = scheduler_output.copies_out, scheduler_output.copies_in
+        if out or into:
+            assert self.host_kv is not None and self.runner.kv_cache is not None
+            self.host_kv.copy(self.runner.kv_cache, out, into)
 
     def pool(
         self, scheduler_output: SchedulerOutput, pooling_type: str, times: StepPhaseTimes

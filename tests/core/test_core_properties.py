@@ -8,6 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.core.host_tier import SwapStats
 from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.request import Request, RequestStatus
@@ -27,16 +28,28 @@ def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
 
 
 def check_invariants(sched: Scheduler, kv_cache_manager: KVCacheManager) -> None:
-    pool = kv_cache_manager.pool
-    held = Counter(b for r in sched.running for b in r.block_ids if b != RELEASED_BLOCK)
+    """Three queues, two pools: only running requests hold device blocks, only swapped ones host
+    blocks, and every block's ref count is its number of holders."""
+    pools = [(kv_cache_manager.pool, [r.block_ids for r in sched.running])]
+    if kv_cache_manager.host is not None:
+        pools.append((kv_cache_manager.host.pool, [r.host_block_ids for r in sched.swapped]))
     for r in sched.waiting:
-        assert r.block_ids == [], "waiting requests hold no blocks"
-    for block in pool.blocks:
-        assert block.ref_cnt >= 0
-        assert block.ref_cnt == held.get(block.block_id, 0), "ref count equals number of holders"
-        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
-    for h, block in pool.cached.items():
-        assert block.block_hash == h
+        assert r.block_ids == [] and r.host_block_ids == [], "waiting requests hold no blocks"
+    for r in sched.running:
+        assert r.host_block_ids == [], "running requests hold no host blocks"
+    for r in sched.swapped:
+        assert r.block_ids == [] and r.host_block_ids, "swapped requests hold host blocks only"
+        assert r.status == RequestStatus.SWAPPED and r.num_computed_tokens > 0
+    ids = [r.request_id for q in (sched.waiting, sched.running, sched.swapped) for r in q]
+    assert len(ids) == len(set(ids)), "a request is in one queue at most"
+    for pool, tables in pools:
+        held = Counter(b for table in tables for b in table if b != RELEASED_BLOCK)
+        for block in pool.blocks:
+            assert block.ref_cnt >= 0
+            assert block.ref_cnt == held.get(block.block_id, 0), "ref count equals number of holders"
+            assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
+        for h, block in pool.cached.items():
+            assert block.block_hash == h
     for r in sched.running:
         assert len(r.block_ids) * kv_cache_manager.block_size >= r.num_computed_tokens
         released = [b == RELEASED_BLOCK for b in r.block_ids]
@@ -60,10 +73,17 @@ def drive(
     seed: int,
     window: int | None = None,
     policy: str = "fcfs",
-) -> None:
+    host_blocks: int = 0,
+) -> SwapStats | None:
     rng = random.Random(seed)
-    kv_cache_manager = KVCacheManager(num_blocks, block_size, caching, sliding_window=window)
-    sched = Scheduler(SchedulerConfig(max_seqs, budget, policy=policy), kv_cache_manager)
+    kv_cache_manager = KVCacheManager(
+        num_blocks, block_size, caching, sliding_window=window, num_host_blocks=host_blocks
+    )
+    mode = "swap" if host_blocks else "recompute"
+    sched = Scheduler(
+        SchedulerConfig(max_seqs, budget, policy=policy, preemption_mode=mode), kv_cache_manager
+    )
+    kv = KVContents(block_size)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     next_id = 0
     alive: list[str] = []
@@ -84,6 +104,7 @@ def drive(
                 assert RELEASED_BLOCK not in ids, "every block the step reads is held"
                 held = kv_cache_manager.num_held_blocks(s.request)
                 assert held <= -(-(window - 1 + s.num_tokens) // block_size) + 1, "window bound"
+        kv.run_step(out, window)
         sampled = [s.request for s in out.scheduled_requests if s.needs_sample]
         sched.update_after_step(out)
         for req in sampled:
@@ -97,6 +118,8 @@ def drive(
             assert keys == sorted(keys), "waiting is in (priority, arrival) order"
             keys = [(r.priority, r.arrival_order) for r in sched.running]
             assert keys == sorted(keys), "running is in (priority, arrival) order"
+        keys = [(r.priority if policy == "priority" else 0, r.arrival_order) for r in sched.swapped]
+        assert keys == sorted(keys), "swapped is in the policy's order (arrival under FCFS)"
 
     for op, arg in ops:
         if op == "add":
@@ -122,6 +145,37 @@ def drive(
         step()
     assert not sched.has_unfinished_requests(), "every request finishes"
     kv_cache_manager.check_idle()
+    return kv_cache_manager.host.stats if kv_cache_manager.host is not None else None
+
+
+class KVContents:
+    """What a step's copies and forward leave in the two tiers, slot by slot: the token whose KV a
+    slot holds. Checks that every position a scheduled request reads holds its own token's KV."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.device: dict[tuple[int, int], int] = {}
+        self.host: dict[tuple[int, int], int] = {}
+
+    def run_step(self, out, window: int | None) -> None:
+        bs = self.block_size
+        for d, h in out.copies_out:  # all copies out, then all copies in, then the forward
+            for o in range(bs):
+                self.host[(h, o)] = self.device.get((d, o), -1)
+        for h, d in out.copies_in:
+            for o in range(bs):
+                self.device[(d, o)] = self.host.get((h, o), -1)
+        for s in out.scheduled_requests:
+            r = s.request
+            for p in range(r.num_computed_tokens, min(r.num_computed_tokens + s.num_tokens, r.num_tokens)):
+                self.device[(r.block_ids[p // bs], p % bs)] = r.all_token_ids[p]
+        for s in out.scheduled_requests:
+            r = s.request
+            end = min(r.num_computed_tokens + s.num_tokens, r.num_tokens)
+            first = 0 if window is None else max(0, r.num_computed_tokens - window + 1)
+            for p in range(first, end):
+                slot = (r.block_ids[p // bs], p % bs)
+                assert self.device.get(slot) == r.all_token_ids[p], f"{r.request_id} position {p} KV"
 
 
 op_strategy = st.lists(
@@ -162,6 +216,51 @@ def test_random_add_step_abort_under_priority(ops, num_blocks, block_size, max_s
     """Priorities 0-2, urgent arrivals preempting less urgent running requests: the same invariants,
     both queues in (priority, arrival) order, and every request finishes."""
     drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed, policy="priority")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    **SCHEDULER_CASES,
+    host_blocks=st.integers(1, 40),
+    priority=st.booleans(),
+    window=st.none() | st.integers(1, 40),
+)
+def test_random_add_step_abort_with_a_host_tier(
+    ops, num_blocks, block_size, max_seqs, budget, caching, seed, host_blocks, priority, window
+):
+    """Preemption by swapping, swaps back in, the host prefix cache: three queues and two pools keep
+    their invariants, every position a step reads holds its token's KV (copies out before copies in
+    before the forward), and both pools are idle at the end."""
+    policy = "priority" if priority else "fcfs"
+    drive(ops, num_blocks, block_size, max_seqs, budget, caching, seed, window, policy, host_blocks)
+
+
+def test_long_random_runs_with_a_host_tier():
+    """Long runs (hypothesis mostly draws short ones): enough pressure that requests swap out, come
+    back and hit the host prefix cache, with every check of the drive above."""
+    rng = random.Random(2024)
+    totals = Counter()
+    for case in range(200):
+        ops = [
+            (rng.choice(["add", "add", "step", "step", "step", "abort"]), rng.randrange(1000))
+            for _ in range(60)
+        ]
+        manager_stats = drive(
+            ops,
+            num_blocks=rng.randrange(4, 40),
+            block_size=rng.choice([1, 2, 4, 16]),
+            max_seqs=rng.randrange(1, 8),
+            budget=rng.randrange(1, 64),
+            caching=rng.random() < 0.5,
+            seed=case,
+            window=None if case % 2 else rng.randrange(1, 40),
+            policy="priority" if case % 3 == 0 else "fcfs",
+            host_blocks=rng.randrange(1, 40),
+        )
+        assert manager_stats is not None
+        totals.update(swapped_out=manager_stats.swapped_out, swapped_in=manager_stats.swapped_in)
+        totals.update(host_hits=manager_stats.host_hit_tokens)
+    assert totals["swapped_out"] > 100 and totals["swapped_in"] > 100 and totals["host_hits"] > 100, totals
 
 
 def test_sliding_window_releases_blocks_and_skips_old_hits():
