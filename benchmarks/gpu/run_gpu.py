@@ -24,6 +24,9 @@
    the same requests, time-bounded, against the engine on that same subsample.
 8. ``serve_processes``: ``pagedllm serve`` as users run it (a core process and 1 or 2 front-end
    processes) streaming the ``serve`` section's requests, against that section's offline run.
+9. ``quantization``: weight-only int8 and fp8 against the model dtype (see its module).
+10. ``swap``: preemption by swapping to a pinned host tier (``auto``) against recompute, on an
+   oversubscribed device pool.
 
 Each section is a module of ``sections/``; this script parses the options, runs the sections in
 order and saves the results after each.
@@ -62,6 +65,7 @@ from sections.roofline import section_roofline
 from sections.serve import section_serve
 from sections.serve_processes import section_serve_processes
 from sections.summary import summary_table
+from sections.swap import section_swap
 from sections.throughput import section_throughput
 
 from pagedllm.bench.common import free_device_memory, machine_info
@@ -212,6 +216,8 @@ class Run:
             )
         if self.wants("quantization"):  # its own engines, once the shared one has let the GPU go
             self.section("quantization", lambda: section_quantization(state))
+        if self.wants("swap"):
+            self.section("swap", lambda: section_swap(state))
 
     def run_equivalence(self, tiny_reference: bool) -> None:
         """Against ``--model``; else the default model when installed; else a small sharp random model."""

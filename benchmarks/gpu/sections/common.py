@@ -25,6 +25,7 @@ SECTIONS = (
     "hf",
     "serve_processes",
     "quantization",
+    "swap",
 )
 
 

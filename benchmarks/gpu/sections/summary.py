@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from pagedllm.bench.common import format_table
-from sections import quantization
+from sections import quantization, swap
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -211,5 +211,6 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
     else:
         rows.append(("serve_processes", "status", status(sp)))
     rows += quantization.summary_rows(results.get("quantization"))
+    rows += swap.summary_rows(results.get("swap"))
     rows.append(("overall", "checks", "passed" if results.get("passed") else "FAILED"))
     return rows
