@@ -145,10 +145,10 @@ def test_chunked_prefill_and_preemption_in_flight(make_llm: Any) -> None:
     preempt = scheduler._preempt
     in_flight: list[str] = []
 
-    def spy_preempt(request: Any) -> None:
+    def spy_preempt(request: Any, out: Any) -> None:
         if request.num_pending_tokens:
             in_flight.append(request.request_id)
-        preempt(request)
+        preempt(request, out)
 
     scheduler._preempt = spy_preempt  # type: ignore[method-assign]
     outs = generate(llm, *workload())
