@@ -41,6 +41,7 @@ from typing import Any
 
 from pagedllm.bench.common import machine_info, now_iso, peak_rss_mib, set_num_threads, write_json
 from pagedllm.bench.serve_client import run_benchmark
+from pagedllm.bench.serve_dashboard import compare_with_dashboard, format_comparison
 from pagedllm.bench.serve_priority import (
     PriorityMix,
     parse_priority_mix,
@@ -158,6 +159,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "streams run?). Not with --max-concurrency.",
     )
     group.add_argument(
+        "--poll-dashboard",
+        type=float,
+        default=None,
+        metavar="HZ",
+        help="Measure an open dashboard's cost instead: run the workload in rounds without and with a "
+        "client reading /v1/engine/state HZ times a second and /v1/engine/events, and print each "
+        "side's output tok/s and their ratio (see --dashboard-rounds).",
+    )
+    group.add_argument(
+        "--dashboard-rounds",
+        type=int,
+        default=2,
+        help="Rounds of each side with --poll-dashboard (default 2).",
+    )
+    group.add_argument(
         "--timeout", type=float, default=600.0, help="Per-request timeout in seconds (default 600)."
     )
     group.add_argument(
@@ -229,6 +245,40 @@ def _workload(args: argparse.Namespace) -> Workload:
     return build_workload(args, len(tokenizer), tokenizer, exclude)
 
 
+def _dashboard_cost(args: argparse.Namespace, workload: Workload, config: EngineConfig) -> int:
+    """``--poll-dashboard``: the workload without and with a polling page, in alternating rounds."""
+
+    def benchmark() -> Any:
+        return run_benchmark(
+            args.base_url,
+            workload.requests,
+            model=args.model_name or config.served_model_name,
+            api_key=args.api_key,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            seed=args.seed,
+            timeout_s=args.timeout,
+            warmup=args.warmup,
+        )
+
+    try:
+        comparison = compare_with_dashboard(
+            benchmark, args.base_url, args.api_key, args.poll_dashboard, args.dashboard_rounds
+        )
+    except Exception as exc:  # noqa: BLE001 - e.g. the server is not reachable, or has no dashboard
+        logger.error("Benchmark against %s failed: %s", args.base_url, exc)
+        return 1
+    print(format_comparison(comparison, args.poll_dashboard))
+    if args.output_json:
+        write_json(
+            args.output_json, {"dashboard_cost": dataclasses.asdict(comparison), "ratio": comparison.ratio}
+        )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -246,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
         f"max concurrency {args.max_concurrency or 'unlimited'}"
         + (f"; {mix.low} requests of priority 1, then {mix.high} of priority 0" if mix is not None else "")
     )
+    if args.poll_dashboard is not None:
+        return _dashboard_cost(args, workload, config)
     offline_llm: Any = None
     if args.compare_offline:
         offline_config = config

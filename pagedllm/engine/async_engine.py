@@ -1,9 +1,9 @@
 """An asyncio front end to the synchronous engine, for the HTTP server.
 
 The :class:`~pagedllm.engine.llm_engine.LLMEngine` is driven by one background thread, the only
-thread that ever touches it. Callers on the event loop hand it commands (add, abort, stop) through a
-thread-safe queue; the thread blocks on that queue while the engine has nothing to do and otherwise
-alternates between applying pending commands and running one engine step. Each request has an
+thread that ever touches it. Callers on the event loop hand it commands (add, abort, stop, a
+snapshot) through a thread-safe queue; the thread blocks on it while the engine has nothing to do,
+else alternates between applying pending commands and running one step. Each request has an
 ``asyncio.Queue`` on the caller's loop that the thread feeds with ``loop.call_soon_threadsafe``.
 
 Errors reach the caller instead of being lost: a request the engine rejects (``ValueError`` from
@@ -15,8 +15,8 @@ aborts its request, which frees its KV-cache blocks at the next command pass.
 An engine with ``task == "embed"`` is stepped with ``step_pooling``; its requests are submitted with
 :meth:`AsyncLLMEngine.encode`, which returns the embedding.
 
-A request's ``priority`` is checked against the engine's scheduling policy on the caller's side, before
-the request is handed on: a bad one raises ``ValueError`` naming ``priority`` and leaves nothing behind.
+A request's ``priority`` is checked against the engine's policy on the caller's side, before it is
+handed on: a bad one raises ``ValueError`` naming ``priority`` and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
 from pagedllm.engine.core_protocol import check_wire_priority
+from pagedllm.engine.engine_state import EngineCall, EngineStateAccess
 from pagedllm.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from pagedllm.engine.metrics import EngineMetrics, StatLogger
 from pagedllm.engine.stats import EngineStats
@@ -84,8 +85,7 @@ class _Stream:
 
     Only the loop's thread touches ``accepted`` and ``queue``; the engine thread reaches them through
     ``call_soon_threadsafe``: :meth:`accept` and :meth:`fail` one call each, outputs one call per
-    loop and step (see :func:`_put_outputs`).
-    """
+    loop and step (see :func:`_put_outputs`)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -140,15 +140,17 @@ class _Add:
 class _Abort:
     request_ids: list[str]
 
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Stop
+    def apply(self, engine: SyncEngine) -> None:
+        engine.abort_request(self.request_ids)
 
 
-class AsyncLLMEngine:
+class _Stop: ...
+
+
+_Command = _Add | _Abort | _Stop | EngineCall
+
+
+class AsyncLLMEngine(EngineStateAccess):
     """Runs a synchronous engine in a background thread and serves it to asyncio callers.
 
     ``max_queued_requests`` bounds the number of sequences waiting to be scheduled (None = unbounded;
@@ -492,8 +494,8 @@ class AsyncLLMEngine:
         for cmd in commands:
             if isinstance(cmd, _Stop):
                 return True
-            if isinstance(cmd, _Abort):
-                self.engine.abort_request(cmd.request_ids)
+            if not isinstance(cmd, _Add):  # an abort, or a call to run between steps
+                cmd.apply(self.engine)
                 continue
             stream = cmd.stream
             with self._lock:

@@ -10,6 +10,9 @@ here, and the facts the cores reported).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +20,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, _Abort, _Add, _Command
 from pagedllm.engine.core_client import CoreClient
 from pagedllm.engine.core_protocol import EngineInfo
+from pagedllm.engine.engine_state import STATE_TIMEOUT_S
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.input_processor import tokenize_prompt
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_events import StepRecord, StepRing
 from pagedllm.model.pooling import PoolingConfig
 from pagedllm.model.tokenizer import render_chat
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -86,6 +91,12 @@ class AsyncMPEngine(AsyncLLMEngine):
         self.on_stop = on_stop
         self._core_stats: dict[int, EngineStats] = {}
         self._shut_down = False
+        # The dashboard's data: each core's step records (bounded rings, filled by the client's
+        # thread from the cores' outputs), and the snapshots asked for and not yet answered.
+        self._step_rings: dict[int, StepRing] = {}
+        self._state_queries: dict[int, asyncio.Future[bytes | None]] = {}
+        self._query_ids = itertools.count(1)
+        self._query_lock = threading.Lock()
         # With several front-ends sharing metrics files, front-end 0 alone sets the engines' series.
         if not records_engine_stats:
             metrics = None
@@ -138,7 +149,55 @@ class AsyncMPEngine(AsyncLLMEngine):
             del self._streams[stream.request_id]  # the caller holds _lock
             stream.fail(exc)
 
+    # ------------------------------------------------------------------ the dashboard's data
+
+    @property
+    def engine_ranks(self) -> list[int]:
+        return sorted(rank for rank, core in self.client.cores.items() if core.alive)
+
+    async def engine_state(self, rank: int = 0) -> bytes:
+        """Core ``rank``'s snapshot, taken by its step loop between two steps."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bytes | None] = loop.create_future()
+        with self._query_lock:
+            query_id = next(self._query_ids)
+            self._state_queries[query_id] = future
+        try:
+            self.client.query_state(rank, query_id)
+            state = await asyncio.wait_for(future, STATE_TIMEOUT_S)
+        finally:
+            with self._query_lock:
+                self._state_queries.pop(query_id, None)
+        if state is None:
+            raise RuntimeError(f"Engine core {rank} is not running.")
+        return state
+
+    def step_records(self, since: int, limit: int | None = None, rank: int = 0) -> list[StepRecord]:
+        ring = self._step_rings.get(rank)
+        return ring.since(since, limit) if ring is not None else []
+
     # ------------------------------------------------------------------ the client's listener
+
+    def steps_reported(self, rank: int, steps: list[StepRecord]) -> None:
+        ring = self._step_rings.get(rank)
+        if ring is None:
+            ring = self._step_rings[rank] = StepRing()
+        ring.extend(steps)
+
+    def state_reported(self, rank: int, query_id: int, state: bytes | None) -> None:
+        with self._query_lock:
+            future = self._state_queries.get(query_id)
+        if future is None:
+            return  # given up on
+
+        def answer() -> None:
+            if not future.done():
+                future.set_result(state)
+
+        try:
+            future.get_loop().call_soon_threadsafe(answer)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def accepted(self, request_id: str) -> None:
         with self._lock:

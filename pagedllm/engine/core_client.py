@@ -37,6 +37,7 @@ from pagedllm.engine.core_protocol import (
     CoreOutputs,
     EmbeddingResult,
     EngineInfo,
+    EngineStateQuery,
     Hello,
     Ping,
     ResetPrefixCache,
@@ -49,6 +50,7 @@ from pagedllm.engine.dp_router import PrefixRouter
 from pagedllm.engine.errors import EngineDeadError, QueueFullError
 from pagedllm.engine.output_deltas import DeltaAccumulator, metrics_from_times
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_events import StepRecord
 from pagedllm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -83,6 +85,10 @@ class ClientListener(Protocol):
     def all_dead(self, exc: BaseException) -> None: ...
 
     def stats_reported(self, rank: int, stats: EngineStats, token_intervals: list[float]) -> None: ...
+
+    def steps_reported(self, rank: int, steps: list[StepRecord]) -> None: ...  # the dashboard's step records
+
+    def state_reported(self, rank: int, query_id: int, state: bytes | None) -> None: ...  # None: no answer
 
 
 def describe_exit(code: int | None) -> str:
@@ -135,6 +141,12 @@ class _Reset:
     pass
 
 
+@dataclass
+class _StateQuery:
+    rank: int
+    query_id: int
+
+
 class CoreClient:
     """One front-end's connection to the engine cores of ranks ``ranks``.
 
@@ -176,7 +188,7 @@ class CoreClient:
         self.info: EngineInfo | None = None
         self.cores: dict[int, _Core] = {}
         self.router: PrefixRouter | None = None
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Reset | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Reset | _StateQuery | None] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._thread: threading.Thread | None = None
@@ -268,7 +280,12 @@ class CoreClient:
         """Ask every core to forget its cached blocks (after the requests sent before)."""
         self._put(_Reset())
 
-    def _put(self, command: _Add | _Abort | _Reset | None) -> None:
+    def query_state(self, rank: int, query_id: int) -> None:
+        """Ask core ``rank`` for its snapshot; the listener hears ``state_reported`` with ``query_id``
+        (its state, or None when the core is not alive)."""
+        self._put(_StateQuery(rank, query_id))
+
+    def _put(self, command: _Add | _Abort | _Reset | _StateQuery | None) -> None:
         self._commands.put(command)
         try:
             os.write(self._wake_w, b"x")
@@ -365,6 +382,12 @@ class CoreClient:
                     for rank in list(self.router.index):
                         self.router.index[rank].clear()
                 continue
+            if isinstance(cmd, _StateQuery):
+                target = self.cores.get(cmd.rank)
+                payload = self.codec.encode(EngineStateQuery(cmd.query_id))
+                if target is None or not target.alive or not self._send(target, payload):
+                    self.listener.state_reported(cmd.rank, cmd.query_id, None)
+                continue
             if isinstance(cmd, _Abort):
                 by_rank: dict[int, list[str]] = {}
                 for rid in cmd.request_ids:
@@ -453,6 +476,10 @@ class CoreClient:
                     self.router.remove(message.rank, message.evicted_blocks)
                 if message.cached_blocks:
                     self.router.add(message.rank, message.cached_blocks)
+            if message.steps:
+                listener.steps_reported(message.rank, message.steps)
+            if message.state is not None:
+                listener.state_reported(message.rank, *message.state)
             if message.stats is not None:
                 core.stats = message.stats
                 listener.stats_reported(message.rank, message.stats, message.token_intervals)

@@ -46,6 +46,7 @@ from pagedllm.engine.core_protocol import (
     CoreOutputs,
     EmbeddingResult,
     EngineInfo,
+    EngineStateQuery,
     Hello,
     Ping,
     Rejection,
@@ -54,6 +55,7 @@ from pagedllm.engine.core_protocol import (
     StartFailed,
     Welcome,
 )
+from pagedllm.engine.engine_state import encode_state
 from pagedllm.engine.metrics import StatLogger
 from pagedllm.engine.output_deltas import DeltaEncoder, metrics_times
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -117,9 +119,9 @@ class _CoreIO:
         self.codec = Codec()
         self.identity = f"core-{options.rank}".encode()
         self.dealers: list[zmq.Socket[bytes]] = [self._connect(options.frontend_address)]
-        self.commands: queue.SimpleQueue[AddRequest | AbortRequests | Shutdown | ResetPrefixCache] = (
-            queue.SimpleQueue()
-        )
+        self.commands: queue.SimpleQueue[
+            AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery
+        ] = queue.SimpleQueue()
         # request id -> the front-end (index) that sent it: set by the I/O thread as the request
         # arrives (before the step loop sees it), read and dropped by the step loop (each a single
         # dict operation).
@@ -243,6 +245,9 @@ class _CoreIO:
             self.commands.put(message)
         elif isinstance(message, Shutdown | ResetPrefixCache):
             self.commands.put(message)
+        elif isinstance(message, EngineStateQuery):
+            message.frontend = index
+            self.commands.put(message)
         elif isinstance(message, Ping | Welcome):
             pass
 
@@ -293,6 +298,7 @@ class EngineCoreProc:
         pool = engine.kv_cache_manager.pool
         pool.report_events = options.report_cache_events
         self.stat_logger = StatLogger(options.log_stats_interval) if options.log_stats_interval else None
+        self.last_step = 0  # the latest step record sent to the front-ends
 
     def run(self) -> None:
         engine = self.engine
@@ -321,8 +327,8 @@ class EngineCoreProc:
 
     def _next_commands(
         self, *, block: bool
-    ) -> list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache]:
-        commands: list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache] = []
+    ) -> list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery]:
+        commands: list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery] = []
         q = self.io.commands
         if block:
             try:
@@ -344,7 +350,7 @@ class EngineCoreProc:
 
     def _apply(
         self,
-        commands: list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache],
+        commands: list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery],
         outs: list[CoreOutputs],
     ) -> bool:
         """Apply commands in order; True when asked to stop."""
@@ -354,6 +360,9 @@ class EngineCoreProc:
         for cmd in commands:
             if isinstance(cmd, Shutdown):
                 return True
+            if isinstance(cmd, EngineStateQuery):  # between two steps: one state the engine was in
+                outs[min(cmd.frontend, len(outs) - 1)].state = (cmd.query_id, encode_state(engine))
+                continue
             if isinstance(cmd, ResetPrefixCache):
                 if not engine.reset_prefix_cache():
                     logger.warning(
@@ -416,15 +425,28 @@ class EngineCoreProc:
         stats = engine.get_stats()
         intervals = engine.pop_token_intervals()
         added, removed = engine.kv_cache_manager.pool.take_events()
+        steps = engine.step_events.since(self.last_step) if engine.task != "embed" else []
+        if steps:
+            self.last_step = steps[-1].step
         heartbeat = CoreOutputs(self.options.rank, time.monotonic(), stats=stats)
         self.io.stats_for_heartbeat = heartbeat
         for index, out in enumerate(outs):
             out.stats = stats
             out.cached_blocks = added
             out.evicted_blocks = removed
+            out.steps = steps
             if index == 0:
                 out.token_intervals = intervals
-            if not (out.accepted or out.rejected or out.deltas or out.embeddings or added or removed):
+            if not (
+                out.accepted
+                or out.rejected
+                or out.deltas
+                or out.embeddings
+                or added
+                or removed
+                or steps
+                or out.state
+            ):
                 if index or not intervals:
                     continue  # the I/O thread's heartbeat carries the stats
             self.io.send(index, self.codec.encode(out))

@@ -5,7 +5,8 @@ a type tag, so a front-end and a core decode exactly the types below and nothing
 Sampling and pooling parameters travel as the library's own dataclasses.
 
 Front-end → core: :class:`AddRequest`, :class:`AbortRequests`, :class:`Welcome` (the reply to a
-core's :class:`Hello`), :class:`Ping` (liveness), :class:`ResetPrefixCache` and :class:`Shutdown`.
+core's :class:`Hello`), :class:`Ping` (liveness), :class:`ResetPrefixCache`, :class:`EngineStateQuery`
+(the dashboard's snapshot) and :class:`Shutdown`.
 Core → front-end: :class:`Hello` (ready, with :class:`EngineInfo`), :class:`StartFailed`,
 :class:`CoreOutputs` (one per loop iteration that has something to say, and a heartbeat at least
 every few hundred milliseconds) and :class:`CoreDead`.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_events import StepRecord
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -94,7 +96,14 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
     """Forget every cached block (applied in order with the requests; refused by a core that is busy)."""
 
 
-ToCore = AddRequest | AbortRequests | Welcome | Ping | Shutdown | ResetPrefixCache
+class EngineStateQuery(msgspec.Struct, tag="state", array_like=True):
+    """Ask for the dashboard's snapshot (answered in ``CoreOutputs.state``, between two steps)."""
+
+    query_id: int
+    frontend: int = 0  # set by the core's I/O thread on arrival: the front-end that asked
+
+
+ToCore = AddRequest | AbortRequests | Welcome | Ping | Shutdown | ResetPrefixCache | EngineStateQuery
 
 
 # -- core -> front-end ------------------------------------------------------------------------
@@ -158,6 +167,8 @@ class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     token_intervals: list[float] = []  # seconds between successive tokens (for the latency histogram)
     cached_blocks: list[int] = []  # prefix-cache block hashes registered since the previous report
     evicted_blocks: list[int] = []  # and those dropped
+    steps: list[StepRecord] = []  # the core's step records since the previous report (every front-end)
+    state: tuple[int, bytes] | None = None  # (query id, snapshot JSON): the answer to an EngineStateQuery
 
 
 class CoreDead(msgspec.Struct, tag="dead", array_like=True):
@@ -189,6 +200,7 @@ __all__ = [
     "CoreOutputs",
     "EmbeddingResult",
     "EngineInfo",
+    "EngineStateQuery",
     "FromCore",
     "Hello",
     "Ping",

@@ -30,6 +30,7 @@ from pagedllm.engine.core_protocol import check_wire_priority
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.llm_engine import check_priority
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_events import StepRecord
 from pagedllm.model.loader import load_model_tokenizer
 from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -81,6 +82,12 @@ class _Sink:
     def stats_reported(self, rank: int, stats: EngineStats, token_intervals: list[float]) -> None:
         self.core_stats[rank] = stats
         self.fresh.add(rank)
+
+    def steps_reported(self, rank: int, steps: list[StepRecord]) -> None:
+        pass  # the offline engine shows no dashboard
+
+    def state_reported(self, rank: int, query_id: int, state: bytes | None) -> None:
+        pass
 
 
 class MPLLMEngine(RemoteEngine):

@@ -178,3 +178,28 @@ def test_swap_metrics_are_exported():
     assert 'pagedllm:host_kv_cache_usage_perc{engine="0",model_name="m"} 0.4' in text
     assert 'pagedllm:num_swapped_out_total{engine="0",model_name="m"} 3.0' in text
     assert 'pagedllm:swap_out_bytes_total{engine="0",model_name="m"} 4096.0' in text
+
+
+def test_the_step_record_and_the_snapshot_show_swaps(make_llm):
+    """What the dashboard draws: steps that swapped requests out and in, and swapped requests with
+    their host blocks in a snapshot taken while they are out."""
+    from pagedllm.engine.engine_state import build_state
+
+    llm = make_llm(num_kv_blocks=8, enable_prefix_caching=False, swap_space=SWAP_GIB, preemption_mode="swap")
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[4:8]):
+        engine.add_request(str(i), prompt, params)
+    seen_swapped = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.scheduler.swapped and not seen_swapped:
+            state = build_state(engine)
+            seen_swapped = state["swapped"]
+            assert state["config"]["num_host_blocks"] == engine.kv_cache_manager.host.pool.num_blocks
+    assert seen_swapped and all(row["state"] == "swapped" and row["host_block_ids"] for row in seen_swapped)
+    records = engine.step_events.since(0)
+    out_ids = {rid for r in records for rid in r.swapped_out}
+    in_ids = {rid for r in records for rid in r.swapped_in}
+    assert out_ids and out_ids == in_ids and out_ids <= {rid for r in records for rid in r.preempted}
+    engine.check_idle()

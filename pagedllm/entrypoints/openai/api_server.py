@@ -3,8 +3,9 @@ are :mod:`pagedllm.entrypoints.openai.launcher`'s).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``, ``/health``,
 ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, ``/v1/responses`` (a view over chat
-completions) and the API documents (``/docs``, ``/redoc``, ``/openapi.json``; off with
-``--disable-fastapi-docs``). With ``--api-key`` every route but ``/health``
+completions), the API documents (``/docs``, ``/redoc``, ``/openapi.json``; off with
+``--disable-fastapi-docs``) and the live dashboard (``/dashboard``, ``/v1/engine/state``,
+``/v1/engine/events``; off with ``--disable-dashboard``). With ``--api-key`` every route but ``/health``
 needs the key (``/metrics`` too unless ``--metrics-without-auth``). Every error is answered with
 OpenAI's ``{"error": {...}}`` object. Requests are tokenized and chat templates rendered on worker
 threads (:mod:`pagedllm.entrypoints.openai.preprocess`), within the limits of
@@ -46,6 +47,7 @@ from pagedllm.entrypoints.openai.cli_args import (
     add_cli_args,
     settings_from_args,
 )
+from pagedllm.entrypoints.openai.dashboard import router as dashboard_router
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.middleware import (
     GENERATION_ERRORS,
@@ -280,9 +282,12 @@ def build_app(
         tokenization=OpenAIServingTokenization(engine, names, **shared),
         embedding=OpenAIServingEmbedding(engine, names, **shared),
     )
+    app.state.serving_settings = settings
     app.add_middleware(GuardMiddleware, settings=settings, state=state)
     install_error_handlers(app)
     app.include_router(router)
+    if not settings.disable_dashboard:
+        app.include_router(dashboard_router)
     return app
 
 

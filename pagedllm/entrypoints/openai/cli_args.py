@@ -47,6 +47,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     # Splits <think> reasoning from content (a name of REASONING_PARSERS).
     reasoning_parser: str | None = None
+    # No /dashboard, /v1/engine/state or /v1/engine/events.
+    disable_dashboard: bool = False
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +73,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--disable-fastapi-docs",
         action="store_true",
         help="Do not serve /docs, /redoc or /openapi.json.",
+    )
+    parser.add_argument(
+        "--disable-dashboard",
+        action="store_true",
+        help="Do not serve the live dashboard (/dashboard) or its data (/v1/engine/state, /v1/engine/events).",
     )
     parser.add_argument(
         "--trust-request-chat-template",
@@ -315,6 +322,7 @@ def settings_from_args(args: argparse.Namespace, served_model_name: str, max_log
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        disable_dashboard=getattr(args, "disable_dashboard", False),
         limits=RequestLimits(
             max_prompt_bytes=args.max_prompt_bytes,
             max_stop_strings=args.max_stop_strings,

@@ -10,12 +10,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.cli_args import ServerSettings
+from pagedllm.entrypoints.openai.dashboard_auth import LOGIN_PATH, PAGE_PATH, dashboard_authorized, login_page
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.entrypoints.openai.serving_engine import error_from_exception
@@ -39,13 +40,23 @@ def shutting_down() -> OpenAIError:
 
 class GuardMiddleware:
     """Refuses requests while draining, enforces the body size limit and the API key (on every path
-    but ``/health``, and ``/metrics`` with ``metrics_without_auth``), and counts the requests in flight."""
+    but ``/health``, and ``/metrics`` with ``metrics_without_auth``), and counts the requests in flight.
+    On the dashboard's routes the key may also come as the dashboard's cookie (see
+    :mod:`~pagedllm.entrypoints.openai.dashboard_auth`); the page answers a browser without it with
+    a login form (status 401)."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings, state: ServerState) -> None:
         self.app = app
         self.settings = settings
         self.state = state
-        self.open_paths = frozenset({"/health", *(["/metrics"] if settings.metrics_without_auth else [])})
+        self.open_paths = frozenset(
+            {
+                "/health",
+                *(["/metrics"] if settings.metrics_without_auth else []),
+                *([] if settings.disable_dashboard else [LOGIN_PATH]),  # the form checks the key itself
+            }
+        )
+        self.dashboard = not settings.disable_dashboard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,7 +75,14 @@ class GuardMiddleware:
         key = self.settings.api_key
         if key and path not in self.open_paths:
             given = headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()) and not (
+                self.dashboard
+                and dashboard_authorized(path, headers.get("cookie"), scope.get("query_string", b""), key)
+            ):
+                if self.dashboard and path == PAGE_PATH and scope.get("method") == "GET":
+                    page = HTMLResponse(login_page(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                    await page(scope, receive, send)
+                    return
                 error = OpenAIError(
                     "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                     status_code=401,
