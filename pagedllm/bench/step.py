@@ -21,7 +21,7 @@ from pagedllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
+PHASES = ("schedule", "prepare", "forward", "sample", "outputs", "record")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

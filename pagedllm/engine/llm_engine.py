@@ -458,7 +458,9 @@ class LLMEngine:
             if scheduled.needs_sample:  # the rows that get a token
                 req.num_pending_tokens += 1
         self.scheduler.update_after_step(scheduler_output)
-        self.step_events.record(scheduler_output, self, time.perf_counter() - started)
+        recorded = time.perf_counter()
+        self.step_events.record(scheduler_output, self, recorded - started)
+        times.record += time.perf_counter() - recorded
         return LaunchedStep(scheduler_output, rows, sampled)
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:

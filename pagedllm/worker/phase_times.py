@@ -11,7 +11,8 @@ class StepPhaseTimes:
 
     ``prepare`` builds the batch's input tensors; ``forward`` runs the model and the LM head;
     ``sample`` covers building the sampling batch and the sampler; ``outputs`` the token
-    bookkeeping, stop checks, detokenization and output objects. On a GPU these are host times
+    bookkeeping, stop checks, detokenization and output objects; ``record`` the step's entry in
+    the engine's step record (the dashboard's). On a GPU these are host times
     (kernels run asynchronously), not device times.
     """
 
@@ -21,3 +22,4 @@ class StepPhaseTimes:
     forward: float = 0.0
     sample: float = 0.0
     outputs: float = 0.0
+    record: float = 0.0

@@ -203,7 +203,7 @@ def test_step_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     data = _read(out)
     assert data["batch_size"] == 4 and data["steps"] == 3
     phases = data["phases_s"]
-    assert set(phases) == {"schedule", "prepare", "forward", "sample", "outputs", "other"}
+    assert set(phases) == {"schedule", "prepare", "forward", "sample", "outputs", "record", "other"}
     assert min(phases.values()) >= 0 and phases["forward"] > 0
     timed = sum(v for k, v in phases.items() if k != "other")
     assert timed <= data["step_s"] * 1.001
