@@ -88,7 +88,9 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0
     pipeline_layer_partition: str | None = None  # "18,12": layers per pipeline stage
     # Speculative decoding, as JSON with vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4,
-    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup; pagedllm.spec.config).
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup), or {"model": PATH,
+    # "num_speculative_tokens": 4} (a draft model; "quantization" sets how its weights are held);
+    # see pagedllm.spec.config.
     speculative_config: str | None = None
     # The host tier of the KV cache, in GiB of host memory (0: none), and how requests are preempted
     # when device blocks run out: "recompute", "swap" (to the host tier) or "auto" (whichever the

@@ -1,12 +1,13 @@
-"""``pagedllm bench spec``: speculative decoding (prompt lookup) against plain decoding.
+"""``pagedllm bench spec``: speculative decoding (prompt lookup or a draft model) against plain decoding.
 
 The workload is input-grounded, where prompt lookup pays: 16 chat requests (the model's chat
 template) that ask the model to repeat a passage given in the message (12 passages of the shipped
 ``texts/us_constitution.txt``) or to copy a short piece of code (4 snippets), greedy, up to
 ``--output-len`` tokens, stopping at EOS. Two
 engines are built in turn from the same arguments, one plain and one with ``--spec`` (the
-``speculative_config`` JSON, default prompt lookup of up to 8 tokens after a 3- to 5-gram match), and each
-runs, after an untimed warm-up request:
+``speculative_config`` JSON, default prompt lookup of up to 8 tokens after a 3- to 5-gram match; a
+draft model with ``{"model": PATH, "num_speculative_tokens": k}``, which is checked to load before
+the plain engine runs), and each runs, after an untimed warm-up request:
 
 * batch 1: the 16 requests one at a time; decode tokens/s is the output tokens after the first over
   the time from each request's first token to its last, summed over the requests;
@@ -41,6 +42,7 @@ from pagedllm.bench.common import (
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, check_speculative
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.draft_model import read_draft_config
 
 logger = logging.getLogger("pagedllm.bench")
 
@@ -155,7 +157,9 @@ def _run(args: argparse.Namespace) -> int:
         set_num_threads(args.num_threads)
         base = EngineConfig.from_cli_args(args, speculative_config=None)
         spec = dataclasses.replace(base, speculative_config=args.spec)
-        check_speculative(spec, "generate")  # before the plain engine runs
+        parsed = check_speculative(spec, "generate")  # before the plain engine runs
+        if parsed is not None and parsed.model is not None:
+            read_draft_config(parsed.model)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2

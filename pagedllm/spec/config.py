@@ -6,7 +6,10 @@ Two forms are accepted, with vLLM's keys:
   "prompt_lookup_min": b}``. Either bound may be left out and then equals the other; with both left
   out, both are 5 (vLLM's defaults);
 - a draft model that shares the target's tokenizer: ``{"model": PATH, "num_speculative_tokens": k}``
-  (``"method": "draft_model"`` may be given or is implied by ``model``).
+  (``"method": "draft_model"`` may be given or is implied by ``model``), optionally with
+  ``"quantization"``: how the draft's weights are held, as the engine's ``quantization`` option
+  (default ``"auto"``: as its checkpoint stores them, whatever the target's setting, so a quantized
+  GGUF file can draft for a float target).
 
 Every error is a ValueError whose message starts with the offending field, as
 ``speculative_config.<field>``.
@@ -18,9 +21,18 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pagedllm.config import QUANTIZATION_METHODS
+
 SpeculativeMethod = Literal["ngram", "draft_model"]
 METHODS: tuple[SpeculativeMethod, ...] = ("ngram", "draft_model")
-ACCEPTED_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+ACCEPTED_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "quantization",
+)
 DEFAULT_PROMPT_LOOKUP = 5
 
 
@@ -37,7 +49,8 @@ class SpeculativeConfig:
     Invariants (checked on construction): ``method`` is ``"ngram"`` or ``"draft_model"``;
     ``num_speculative_tokens >= 1``; for ``"ngram"``, ``model`` is None and
     ``1 <= prompt_lookup_min <= prompt_lookup_max`` (a bound left as None takes the other's value,
-    both None take 5); for ``"draft_model"``, ``model`` is a non-empty path and both bounds are None.
+    both None take 5) and ``quantization`` is None; for ``"draft_model"``, ``model`` is a non-empty
+    path, both bounds are None and ``quantization`` is one of the engine's methods (None: ``"auto"``).
     """
 
     method: SpeculativeMethod
@@ -45,6 +58,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None
+    quantization: str | None = None  # the draft model's weights (draft_model only; None: "auto")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -63,6 +77,8 @@ class SpeculativeConfig:
                 f"speculative_config.model must not be set with method 'ngram' (prompt lookup drafts "
                 f"from the sequence itself), got {self.model!r}"
             )
+        if self.quantization is not None:
+            raise ValueError("speculative_config.quantization applies to a draft model only, not 'ngram'")
         high, low = self.prompt_lookup_max, self.prompt_lookup_min
         if high is not None:
             high = _positive_int("prompt_lookup_max", high)
@@ -93,6 +109,11 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config.{name} applies to method 'ngram' only, not 'draft_model'"
                 )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"speculative_config.quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
+            )
 
 
 def parse_speculative_config(

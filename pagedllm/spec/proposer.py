@@ -1,4 +1,5 @@
-"""Which draft tokens a request verifies in its next step (prompt lookup).
+"""Which draft tokens a request verifies in its next step: the cap every proposer applies, and
+prompt lookup (the draft-model proposer is ``pagedllm.worker.draft_model``).
 
 A request gets drafts only when every verified position's distribution is known before the step:
 nothing its sampling reads depends on its earlier outputs (no penalties, bad words or grammar, and
@@ -14,6 +15,26 @@ from typing import Protocol
 from pagedllm.request import Request
 from pagedllm.spec.config import SpeculativeConfig
 from pagedllm.spec.ngram import propose_ngram
+
+
+def draft_limit(request: Request, k: int, max_model_len: int) -> int:
+    """How many draft tokens ``request`` may verify in its next step, at most ``k`` (0: none).
+
+    None for a request whose distribution reads its earlier output (``Request.can_sample_ahead``) or
+    that asks for logprobs; otherwise capped so that the step's emitted tokens (the drafts + 1) stay
+    within ``max_tokens`` and the verified positions within ``max_model_len``. Every proposer applies
+    this cap.
+    """
+    if not request.can_sample_ahead or request.params.logprobs is not None:
+        return 0
+    return max(
+        0,
+        min(
+            k,
+            request.max_tokens - request.num_output_tokens - 1,
+            max_model_len - request.num_tokens - 1,
+        ),
+    )
 
 
 class Proposer(Protocol):
@@ -38,14 +59,7 @@ class NgramProposer:
         self.max_model_len = max_model_len
 
     def propose(self, request: Request) -> list[int]:
-        params = request.params
-        if not request.can_sample_ahead or params.logprobs is not None:
-            return []
-        k = min(
-            self.k,
-            request.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
+        k = draft_limit(request, self.k, self.max_model_len)
         if k <= 0:
             return []
         return propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from helpers.model_factory import make_tiny_hf_model
+from helpers.spec_cases import VOCAB16, chi2_homogeneity_pvalue, sampled_token_counts
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.spec import grounded_requests
 from pagedllm.engine.metrics import EngineMetrics
@@ -74,43 +74,16 @@ def test_greedy_tokens_equal_plain_decoding(engine_args: dict[str, Any]) -> None
     llm.shutdown()
 
 
-def chi2_homogeneity_pvalue(a: torch.Tensor, b: torch.Tensor) -> float:
-    """p-value that two count vectors come from one distribution (categories seen on either side)."""
-    keep = (a + b) > 0
-    a, b = a[keep].double(), b[keep].double()
-    total = a + b
-    expected_a = total * a.sum() / total.sum()
-    expected_b = total * b.sum() / total.sum()
-    statistic = ((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum()
-    df = torch.tensor((len(a) - 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, statistic / 2))
-
-
 def test_sampled_tokens_keep_their_distribution(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Temperature 1 over a 16-token vocabulary: drafts (frequent n-gram repeats) are verified by
     rejection sampling (about half accepted), and the token at output position 10 has the same
     distribution with and without speculation (two-sample chi-square, significance 0.001, 1,200
     seeded requests each)."""
-    path = make_tiny_hf_model(
-        tmp_path_factory.mktemp("vocab16"), "llama", vocab_size=16, initializer_range=1.0
-    )
-    prompts = [[1 + (i * 7 + j) % 15 for j in range(6)] for i in range(40)]
-    counts = []
-    for spec in (None, NGRAM):
-        llm = LLM(path, dtype="float32", max_model_len=64, num_kv_blocks=512, speculative_config=spec)
-        params = [
-            SamplingParams(temperature=1.0, max_tokens=12, seed=i, ignore_eos=True) for i in range(1200)
-        ]
-        outs = llm.generate([prompts[i % 40] for i in range(1200)], params, use_tqdm=False)
-        llm.llm_engine.check_idle()
-        counts.append(torch.bincount(torch.tensor([o.outputs[0].token_ids[10] for o in outs]), minlength=16))
-        if spec is not None:
-            stats = llm.llm_engine.get_stats()
-            assert (
-                stats.spec_draft_tokens > 800 and 300 < stats.spec_accepted_tokens < stats.spec_draft_tokens
-            )
-        llm.shutdown()
-    assert chi2_homogeneity_pvalue(counts[0], counts[1]) > 0.001, counts
+    path = make_tiny_hf_model(tmp_path_factory.mktemp("vocab16"), "llama", **VOCAB16)
+    plain, _ = sampled_token_counts(path, None)
+    counts, stats = sampled_token_counts(path, NGRAM)
+    assert stats.spec_draft_tokens > 800 and 300 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert chi2_homogeneity_pvalue(plain, counts) > 0.001, (plain, counts)
 
 
 def test_acceptance_counters_on_metrics() -> None:
