@@ -245,6 +245,20 @@ def _workload(args: argparse.Namespace) -> Workload:
     return build_workload(args, len(tokenizer), tokenizer, exclude)
 
 
+def _load_options(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
+    """The ``run_benchmark`` options every run of this command takes from its flags."""
+    return {
+        "model": args.model_name or config.served_model_name,
+        "api_key": args.api_key,
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "timeout_s": args.timeout,
+    }
+
+
 def _dashboard_cost(args: argparse.Namespace, workload: Workload, config: EngineConfig) -> int:
     """``--poll-dashboard``: the workload without and with a polling page, in alternating rounds."""
 
@@ -252,15 +266,8 @@ def _dashboard_cost(args: argparse.Namespace, workload: Workload, config: Engine
         return run_benchmark(
             args.base_url,
             workload.requests,
-            model=args.model_name or config.served_model_name,
-            api_key=args.api_key,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            temperature=args.temperature,
-            ignore_eos=args.ignore_eos,
+            **_load_options(args, config),
             seed=args.seed,
-            timeout_s=args.timeout,
             warmup=args.warmup,
         )
 
@@ -317,15 +324,8 @@ def run(args: argparse.Namespace) -> int:
                 run_benchmark(
                     args.base_url,
                     pair_workload.requests,
-                    model=args.model_name or config.served_model_name,
-                    api_key=args.api_key,
-                    request_rate=args.request_rate,
-                    burstiness=args.burstiness,
-                    max_concurrency=args.max_concurrency,
-                    temperature=args.temperature,
-                    ignore_eos=args.ignore_eos,
+                    **_load_options(args, config),
                     seed=args.seed + pair,
-                    timeout_s=args.timeout,
                     warmup=args.warmup and pair == 0,
                     priorities=mix.priorities() if mix is not None else None,
                     saturate_first=mix.low if mix is not None else 0,

@@ -16,6 +16,19 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.stats import EngineStats
 
 
+def generated_tokens(
+    llm: LLM, params: SamplingParams, prompts: list[Any], one_by_one: bool = False
+) -> list[list[int]]:
+    """The tokens of ``prompts`` (together, or one request at a time); the engine, with any draft
+    model's pool, is checked idle after."""
+    if one_by_one:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.check_idle()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def chi2_homogeneity_pvalue(a: torch.Tensor, b: torch.Tensor) -> float:
     """p-value that two count vectors come from one distribution (categories seen on either side)."""
     keep = (a + b) > 0

@@ -17,7 +17,14 @@ from transformers import AutoTokenizer
 import pagedllm.worker.draft_model as draft_model
 from helpers.model_factory import make_tiny_hf_model
 from helpers.prompts import PROMPTS as TEXT_PROMPTS
-from helpers.spec_cases import VOCAB16, chi2_homogeneity_pvalue, noisy_copy, sampled_token_counts, with_config
+from helpers.spec_cases import (
+    VOCAB16,
+    chi2_homogeneity_pvalue,
+    generated_tokens,
+    noisy_copy,
+    sampled_token_counts,
+    with_config,
+)
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import main
 from pagedllm.request import Request
@@ -53,13 +60,7 @@ def engine(target: str, draft: str | None, **kwargs: Any) -> LLM:
 
 
 def run(llm: LLM, prompts: list[Any], one_by_one: bool = False) -> list[list[int]]:
-    """Greedy tokens of ``prompts``; the engine (and so the draft's pool) is checked idle after."""
-    if one_by_one:
-        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
-    else:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    llm.llm_engine.check_idle()
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return generated_tokens(llm, GREEDY, prompts, one_by_one)
 
 
 def proposer_of(llm: LLM) -> DraftModelProposer:

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from helpers.model_factory import make_tiny_hf_model
-from helpers.spec_cases import VOCAB16, chi2_homogeneity_pvalue, sampled_token_counts
+from helpers.spec_cases import VOCAB16, chi2_homogeneity_pvalue, generated_tokens, sampled_token_counts
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.spec import grounded_requests
 from pagedllm.engine.metrics import EngineMetrics
@@ -20,15 +20,6 @@ from pagedllm.engine.stats import EngineStats
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 PROMPTS = [*grounded_requests()[::4], "Once upon a time, in a small village,", "1, 2, 3, 4, 5,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=48)
-
-
-def tokens(llm: LLM, params: SamplingParams, prompts: list[Any], one_by_one: bool = False) -> list[list[int]]:
-    if one_by_one:
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.llm_engine.check_idle()
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 FLOAT = {"quantization": "none", "dtype": "float32"}
@@ -40,7 +31,7 @@ def plain_greedy(weights: dict[str, str]) -> list[list[int]]:
     key = str(sorted(weights.items()))
     if key not in _plain:
         llm = LLM(None, max_model_len=1024, num_kv_blocks=256, **weights)
-        _plain[key] = tokens(llm, GREEDY, PROMPTS)
+        _plain[key] = generated_tokens(llm, GREEDY, PROMPTS)
         llm.shutdown()
     return _plain[key]
 
@@ -62,13 +53,13 @@ def test_greedy_tokens_equal_plain_decoding(engine_args: dict[str, Any]) -> None
     weights = {k: v for k, v in engine_args.items() if k in FLOAT}
     reference = plain_greedy(weights)
     llm = LLM(None, max_model_len=1024, speculative_config=NGRAM, **engine_args)
-    assert tokens(llm, GREEDY, PROMPTS) == reference
+    assert generated_tokens(llm, GREEDY, PROMPTS) == reference
     stats = llm.llm_engine.get_stats()
     assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens >= stats.spec_accepted_tokens
     if engine_args["num_kv_blocks"] == 24:
         assert stats.num_preemptions > 0, "the pool did not force preemption"
     # One request at a time, the prefix cache warm from the batch above (where the pool kept it).
-    assert tokens(llm, GREEDY, PROMPTS[:3], one_by_one=True) == reference[:3]
+    assert generated_tokens(llm, GREEDY, PROMPTS[:3], one_by_one=True) == reference[:3]
     if engine_args["num_kv_blocks"] == 256:
         assert llm.llm_engine.get_stats().prefix_cache_hits > 0
     llm.shutdown()
