@@ -53,7 +53,7 @@ logger = logging.getLogger("pagedllm")
 # GPU memory left free beside the draft's KV cache, for its forward's activations.
 CUDA_ACTIVATION_MARGIN = 512 << 20
 
-# Engine options of a host tier of KV blocks (where the engine has them), off for the draft.
+# The host tier of KV blocks is off for the draft (its state is dropped when a request is preempted).
 DRAFT_WITHOUT_HOST_TIER: dict[str, object] = {"swap_space": 0.0, "preemption_mode": "recompute"}
 
 # The shadow requests' sampling: the draft's argmax, no processor.
@@ -158,7 +158,6 @@ def draft_engine_config(
         "async_scheduling": False,
         "task": "generate",
     }
-    # The draft keeps no host tier of KV blocks: its state is dropped when a request is preempted.
     changes.update(DRAFT_WITHOUT_HOST_TIER)
     return replace(config, **changes)  # type: ignore[arg-type]
 

@@ -503,6 +503,8 @@
 
   // One snapshot fetched and drawn now, paused or not (a "refresh" for a paused page).
   D.refresh = async () => { await poll(true); render(); return D.kv; };
+  // Redraw the four views from what the page holds (no request).
+  D.redraw = () => { render(); return D.kv; };
 
   poll();
   setInterval(poll, STATE_POLL_MS);
