@@ -53,6 +53,8 @@ class StepRecord(msgspec.Struct, frozen=True, gc=False):
     num_running: int  # length of the running queue after the schedule
     kv_blocks_used: int  # KV blocks referenced by requests after the schedule
     num_kv_blocks: int  # KV blocks in the pool
+    # the first MAX_WAITING_IDS requests swapped out to the host tier after the schedule
+    swapped: list[str] = msgspec.field(default_factory=list)
 
 
 class RequestSummary(msgspec.Struct, frozen=True, gc=False):
@@ -181,6 +183,9 @@ class StepEvents(StepRing):
             len(scheduler.running),
             pool.num_blocks - len(pool.free_queue),
             pool.num_blocks,
+            [r.request_id for r, _ in zip(scheduler.swapped, range(MAX_WAITING_IDS), strict=False)]
+            if scheduler.swapped
+            else [],
         )
         with self.lock:
             self.steps.append(record)

@@ -202,4 +202,9 @@ def test_the_step_record_and_the_snapshot_show_swaps(make_llm):
     out_ids = {rid for r in records for rid in r.swapped_out}
     in_ids = {rid for r in records for rid in r.swapped_in}
     assert out_ids and out_ids == in_ids and out_ids <= {rid for r in records for rid in r.preempted}
+    # Between leaving and coming back, a request is listed as swapped in every step's record.
+    for rid in out_ids:
+        left = next(r.step for r in records if rid in r.swapped_out)
+        back = next(r.step for r in records if rid in r.swapped_in)
+        assert all(rid in r.swapped for r in records if left <= r.step < back)
     engine.check_idle()

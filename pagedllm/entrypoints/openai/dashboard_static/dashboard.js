@@ -46,7 +46,7 @@
   }
   legend($("rounds-legend"), [
     ["prefill chunk (tokens)", COLORS.prefill], ["decode", COLORS.decode], ["preempted", COLORS.preempted],
-    ["swapped out", COLORS.swapped], ["waiting", COLORS.waiting], ["tokens used of the step's budget", COLORS.budget],
+    ["swapped out (KV in the host tier)", COLORS.swapped], ["waiting", COLORS.waiting], ["tokens used of the step's budget", COLORS.budget],
   ]);
   legend($("kv-legend"), [
     ["free", COLORS.free], ["cached, evictable (prefix reuse)", COLORS.cached], ["in use", COLORS.used],
@@ -177,6 +177,7 @@
       for (const [rid, n, kind] of s.scheduled) put(rid, col, { kind, n });
       for (const rid of s.preempted) if (!(cells[rid] || {})[col]) put(rid, col, { kind: "preempted" });
       for (const rid of s.swapped_out) put(rid, col, { kind: "swapped" });
+      for (const rid of s.swapped || []) if (!(cells[rid] || {})[col]) put(rid, col, { kind: "swapped" });
       for (const rid of s.waiting) if (!(cells[rid] || {})[col]) put(rid, col, { kind: "waiting" });
     });
     D.timeline = { steps, rows: [...order.keys()], cells };
