@@ -6,6 +6,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# A block-table entry whose block was released (it lies wholly before the attention window of every
+# token the request will still compute): attention never reads it.
+RELEASED_BLOCK = -1
+
 
 @dataclass
 class KVBlock:

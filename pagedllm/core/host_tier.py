@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.block_pool import RELEASED_BLOCK, BlockPool, KVBlock
 from pagedllm.request import Request
-
-RELEASED = -1  # a block-table entry released from the attention window (see kv_cache_manager)
 
 
 @dataclass
@@ -63,13 +61,17 @@ class HostTier:
     def swap_out(self, request: Request, device: BlockPool) -> bool:
         """Copy the request's held blocks to new host blocks and free them on the device; False
         (nothing changed) when the host pool lacks free blocks."""
-        held = [b for b in request.block_ids if b != RELEASED]
+        held = [b for b in request.block_ids if b != RELEASED_BLOCK]
         if len(held) > self.pool.num_free_blocks:
             return False
         host = iter(self.pool.allocate(len(held)))
-        request.host_block_ids = [b if b == RELEASED else next(host).block_id for b in request.block_ids]
+        request.host_block_ids = [
+            b if b == RELEASED_BLOCK else next(host).block_id for b in request.block_ids
+        ]
         self.copies_out += [
-            (d, h) for d, h in zip(request.block_ids, request.host_block_ids, strict=True) if d != RELEASED
+            (d, h)
+            for d, h in zip(request.block_ids, request.host_block_ids, strict=True)
+            if d != RELEASED_BLOCK
         ]
         device.free(held[::-1])  # tail blocks first in the eviction order, as a finished request's
         request.block_ids = []
@@ -80,13 +82,17 @@ class HostTier:
     def swap_in(self, request: Request, device: BlockPool) -> bool:
         """Give the swapped request new device blocks holding its KV again (copied in before the next
         forward); False (nothing changed) when the device pool lacks free blocks."""
-        held = [h for h in request.host_block_ids if h != RELEASED]
+        held = [h for h in request.host_block_ids if h != RELEASED_BLOCK]
         if len(held) > device.num_free_blocks:
             return False
         fresh = iter(device.allocate(len(held)))
-        request.block_ids = [h if h == RELEASED else next(fresh).block_id for h in request.host_block_ids]
+        request.block_ids = [
+            h if h == RELEASED_BLOCK else next(fresh).block_id for h in request.host_block_ids
+        ]
         self.copies_in += [
-            (h, d) for h, d in zip(request.host_block_ids, request.block_ids, strict=True) if h != RELEASED
+            (h, d)
+            for h, d in zip(request.host_block_ids, request.block_ids, strict=True)
+            if h != RELEASED_BLOCK
         ]
         self._reading += held  # the request's references, released once the copies are taken
         request.host_block_ids = []
@@ -96,7 +102,7 @@ class HostTier:
 
     def free(self, request: Request) -> None:
         """Release a swapped request's host blocks (it finished or was aborted while swapped)."""
-        self.pool.free([h for h in reversed(request.host_block_ids) if h != RELEASED])
+        self.pool.free([h for h in reversed(request.host_block_ids) if h != RELEASED_BLOCK])
         request.host_block_ids = []
 
     # -- the second-level prefix cache --------------------------------------------------------

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.block_pool import RELEASED_BLOCK, BlockPool, KVBlock
 from pagedllm.core.host_tier import HostTier
 from pagedllm.request import Request
-
-# A block-table entry whose block was released (it lies wholly before the attention window of every
-# token the request will still compute): attention never reads it.
-RELEASED_BLOCK = -1
 
 # The chain's start. Python hashes tuples of ints the same way in every process (unlike strings), so
 # a front-end computes the hashes a core's prefix cache uses (for prefix-aware routing).

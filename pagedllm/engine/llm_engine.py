@@ -548,7 +548,7 @@ class LLMEngine:
         host = self.kv_cache_manager.host
         if host is None:
             return {}
-        block_bytes = self.executor.kv_cache_bytes // max(1, self.kv_cache_manager.pool.num_blocks)
+        block_bytes = self.runner.kv_bytes_per_block
         return {
             "num_swapped": self.scheduler.num_swapped,
             "num_host_blocks": host.pool.num_blocks,

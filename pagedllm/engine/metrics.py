@@ -81,30 +81,6 @@ class EngineMetrics:
             registry=reg,
             multiprocess_mode="mostrecent",
         )
-        self._prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prefill tokens computed.", per_engine, registry=reg
-        )
-        self._generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Tokens generated.", per_engine, registry=reg
-        )
-        self._spec_drafts = Counter(
-            PREFIX + "spec_decode_num_drafts",
-            "Speculative decoding: request steps that verified draft tokens.",
-            per_engine,
-            registry=reg,
-        )
-        self._spec_draft_tokens = Counter(
-            PREFIX + "spec_decode_num_draft_tokens",
-            "Speculative decoding: draft tokens verified by the model.",
-            per_engine,
-            registry=reg,
-        )
-        self._spec_accepted_tokens = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens",
-            "Speculative decoding: draft tokens accepted (the acceptance rate is their ratio to the drafts).",
-            per_engine,
-            registry=reg,
-        )
         self._num_requests_swapped = Gauge(
             PREFIX + "num_requests_swapped",
             "Number of requests swapped out to the host tier of the KV cache.",
@@ -119,10 +95,35 @@ class EngineMetrics:
             registry=reg,
             multiprocess_mode="mostrecent",
         )
-        # Counters fed from the EngineStats field of the same name.
-        self._swap_counters = {
+        # Counters fed from the EngineStats field named first: each advances by that total's change.
+        self._counters = {
             field: Counter(PREFIX + name, doc, per_engine, registry=reg)
             for field, name, doc in (
+                ("prompt_tokens", "prompt_tokens", "Prefill tokens computed."),
+                ("generation_tokens", "generation_tokens", "Tokens generated."),
+                ("num_preemptions", "num_preemptions", "Requests preempted to free KV-cache blocks."),
+                (
+                    "prefix_cache_queries",
+                    "prefix_cache_queries",
+                    "Prompt tokens looked up in the prefix cache.",
+                ),
+                ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                (
+                    "spec_drafts",
+                    "spec_decode_num_drafts",
+                    "Speculative decoding: request steps that verified draft tokens.",
+                ),
+                (
+                    "spec_draft_tokens",
+                    "spec_decode_num_draft_tokens",
+                    "Speculative decoding: draft tokens verified by the model.",
+                ),
+                (
+                    "spec_accepted_tokens",
+                    "spec_decode_num_accepted_tokens",
+                    "Speculative decoding: draft tokens accepted (the acceptance rate is their ratio to the "
+                    "drafts).",
+                ),
                 (
                     "swapped_out",
                     "num_swapped_out",
@@ -138,21 +139,6 @@ class EngineMetrics:
                 ),
             )
         }
-        self._num_preemptions = Counter(
-            PREFIX + "num_preemptions",
-            "Requests preempted to free KV-cache blocks.",
-            per_engine,
-            registry=reg,
-        )
-        self._prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            per_engine,
-            registry=reg,
-        )
-        self._prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", per_engine, registry=reg
-        )
         self._num_engines_alive = Gauge(
             PREFIX + "num_engines_alive",
             "Engine cores serving (data parallel: up to its size).",
@@ -209,17 +195,9 @@ class EngineMetrics:
                 self._num_requests_running,
                 self._num_requests_waiting,
                 self._kv_cache_usage_perc,
-                self._prompt_tokens,
-                self._generation_tokens,
-                self._num_preemptions,
-                self._prefix_cache_queries,
-                self._prefix_cache_hits,
-                self._spec_drafts,
-                self._spec_draft_tokens,
-                self._spec_accepted_tokens,
                 self._num_requests_swapped,
                 self._host_kv_usage_perc,
-                *self._swap_counters.values(),
+                *self._counters.values(),
             ):
                 family.labels(name, engine)
 
@@ -236,17 +214,8 @@ class EngineMetrics:
             host_used / stats.num_host_blocks if host_used else 0.0
         )
         last = self._last_stats.get(engine) or EngineStats()
-        for counter, new, old in (
-            (self._prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
-            (self._generation_tokens, stats.generation_tokens, last.generation_tokens),
-            (self._num_preemptions, stats.num_preemptions, last.num_preemptions),
-            (self._prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
-            (self._prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
-            (self._spec_drafts, stats.spec_drafts, last.spec_drafts),
-            (self._spec_draft_tokens, stats.spec_draft_tokens, last.spec_draft_tokens),
-            (self._spec_accepted_tokens, stats.spec_accepted_tokens, last.spec_accepted_tokens),
-            *((c, getattr(stats, f), getattr(last, f)) for f, c in self._swap_counters.items()),
-        ):
+        for field, counter in self._counters.items():
+            new, old = getattr(stats, field), getattr(last, field)
             if new > old:
                 counter.labels(name, engine).inc(new - old)
         self._last_stats[engine] = stats
