@@ -97,6 +97,9 @@ class EngineConfig:
     # measured copy bandwidth and compute rate say is quicker; recompute without a host tier).
     swap_space: float = 0.0
     preemption_mode: str = "auto"
+    # Step-time target: prefill chunks are sized so that a step's predicted time stays under it (see
+    # pagedllm.core.step_budget). None: the device's default (200 ms on CPU, off on GPU); 0: off.
+    max_step_time_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -161,6 +164,10 @@ class EngineConfig:
             )
         if self.preemption_mode == "swap" and not self.swap_space:
             raise ValueError("preemption_mode 'swap' needs a host tier: set swap_space (GiB) above 0.")
+        if self.max_step_time_ms is not None and not 0 <= self.max_step_time_ms < float("inf"):
+            raise ValueError(
+                f"max_step_time_ms must be a number of milliseconds >= 0 (0: off), got {self.max_step_time_ms}."
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 

@@ -38,6 +38,25 @@ class StructuredOutputsParams:
     after: list[int] | None = None
 
     def __post_init__(self) -> None:
+        # Types first: these parameters cross process boundaries and reach the grammar compiler, so a
+        # value of the wrong type is refused here, naming the field, wherever the parameters come from.
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(
+                "structured_outputs.json must be a JSON schema (an object, or its JSON text), got "
+                f"{type(self.json).__name__} {self.json!r:.60}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+        if self.choice is not None and not isinstance(self.choice, list | tuple):
+            raise ValueError(
+                f"structured_outputs.choice must be a list of strings, got {type(self.choice).__name__}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise ValueError(
+                f"structured_outputs.json_object must be a boolean, got {type(self.json_object).__name__}"
+            )
         set_fields = [
             name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])

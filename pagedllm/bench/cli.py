@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,latency,perplexity,serve,step,roofline,embed}``: the benchmark subcommands.
+"""``pagedllm bench {throughput,latency,perplexity,serve,step,step-time,roofline,embed}``: the benchmark subcommands.
 
 Each lives in its own module with ``add_cli_args(parser)`` and ``run(args) -> int``.
 """
@@ -28,6 +28,10 @@ BENCHMARKS = {
     "step": (
         "pagedllm.bench.step",
         "Time the phases of decode steps at a fixed batch: the engine's overhead outside the forward.",
+    ),
+    "step-time": (
+        "pagedllm.bench.step_time",
+        "A running stream's longest inter-token gap and long prompts' TTFT, step-time budget against token budget.",
     ),
     "roofline": (
         "pagedllm.bench.roofline",

@@ -413,7 +413,7 @@ def _run_one(
         name: sum(
             getattr(after[rank], name) - getattr(before.get(rank, EngineStats()), name) for rank in after
         )
-        for name in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "num_preemptions")
+        for name in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "num_preemptions")
     }
     return RunResult(
         spec=spec,
@@ -422,7 +422,7 @@ def _run_one(
         output_tokens=sum(len(t) for t in token_ids),
         prefix_cache_queries=deltas["prefix_cache_queries"],
         prefix_cache_hits=deltas["prefix_cache_hits"],
-        prompt_tokens_computed=deltas["prompt_tokens"],
+        prompt_tokens_computed=deltas["prompt_tokens_computed"],
         num_preemptions=deltas["num_preemptions"],
         cores=cores,
         token_ids=token_ids,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, KVCacheManager
 from pagedllm.core.preemption import PreemptionCosts
+from pagedllm.core.step_budget import StepBudget, StepShape
 from pagedllm.request import Request, RequestStatus
 
 
@@ -31,6 +32,18 @@ class SchedulerConfig:
     # tier when that has room, else recompute) or "auto" (swap when ``costs`` say it is quicker).
     preemption_mode: str = "recompute"
     costs: PreemptionCosts | None = None  # needed by "auto" with a host tier
+    # Step-time target in seconds (None: none): in a step with decodes, prefill chunks are sized by a
+    # cost model fitted to the engine's measured steps (see pagedllm.core.step_budget) so that the
+    # step's predicted time stays under it. Not with ``whole_prompts`` nor ``interleaved_steps``
+    # above 1 (token budget only).
+    max_step_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_step_time_s is not None and (self.whole_prompts or self.interleaved_steps > 1):
+            raise ValueError(
+                "max_step_time_s applies to generation steps run one at a time (not to whole_prompts "
+                "nor to interleaved_steps above 1)."
+            )
 
 
 @dataclass
@@ -64,6 +77,10 @@ class SchedulerOutput:
     # (device block, host block) to the host tier, then (host block, device block) back.
     copies_out: list[tuple[int, int]] = field(default_factory=list)
     copies_in: list[tuple[int, int]] = field(default_factory=list)
+    # What the step computes (its rows, tokens, attention pairs and prefill tokens), for the step-time
+    # cost model.
+    shape: StepShape = field(default_factory=StepShape)
+    scheduled_at: float = field(default_factory=time.perf_counter)
 
     @property
     def is_empty(self) -> bool:
@@ -79,8 +96,11 @@ class Scheduler:
     request is in at most one queue; finished and aborted requests are in none and hold no blocks.
     Only ``running`` requests hold device blocks; only ``swapped`` ones hold host-tier blocks.
 
-    Each step: running requests first (a decode costs 1 token; an unfinished prefill continues in
-    chunks), then waiting requests fill the remaining token budget, under ``max_num_seqs``. When
+    Each step: running decodes first (1 token each), then running requests' unfinished prefills
+    continue in chunks, then waiting requests fill the remaining token budget, under
+    ``max_num_seqs``. With ``max_step_time_s``, a :class:`StepBudget` also bounds every prefill
+    chunk of a step that has decodes, so that the step's predicted time stays under the target (the
+    step's first chunk gets at least one block; decodes are never held back by it). When
     blocks run out, the last running request (the newest; under priority, the least urgent) is
     preempted: by recompute, its blocks are freed and it goes back to ``waiting`` (its cached full
     blocks usually survive); by swapping, its KV moves to the host tier and it goes to ``swapped``,
@@ -106,6 +126,13 @@ class Scheduler:
         self._arrivals = itertools.count()  # arrival order, which breaks ties between priorities
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.step_budget: StepBudget | None = None
+        if config.max_step_time_s is not None:
+            self.step_budget = StepBudget(config.max_step_time_s, kv_cache_manager.block_size)
+        # The decode rows the running requests will take this step, reserved before step 0 admits
+        # prefills ahead of them (priority); empty once the decodes are scheduled.
+        self._reserved = StepShape()
+        self._last_step_done = 0.0  # time.perf_counter() when the latest step's outputs were out
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -208,6 +235,8 @@ class Scheduler:
         # 0. Priority: waiting requests more urgent than the least urgent running one come first, and
         #    may preempt less urgent running requests to get in.
         if self.config.policy == "priority":
+            if self.step_budget is not None:
+                self._reserved = self._decode_reservation()
             idx = 0
             while idx < len(self.waiting) and budget > 0 and len(out.scheduled_requests) < most:
                 request = self.waiting[idx]
@@ -225,40 +254,11 @@ class Scheduler:
                 scheduled.add(request.request_id)
                 budget -= num_new
 
-        # 1. Running requests, in the policy's order.
-        i = 0
-        while i < len(self.running) and budget > 0 and len(out.scheduled_requests) < most:
-            request = self.running[i]
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            pending = request.num_pending_tokens
-            if (
-                num_new <= 0
-                or request.request_id in scheduled
-                or (pending and (groups > 1 or request.reaches_length_with_pending))
-            ):
-                i += 1
-                continue
-            # A decode may also verify the request's draft tokens, when there is room for them.
-            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 and not pending else []
-            if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
-                self._schedule(out, request, 1 + len(drafts), drafts)
-                budget -= 1 + len(drafts)
-                i += 1
-                continue
-            while self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(request, num_new):
-                # The last running request not yet scheduled this step: it comes after the request
-                # being scheduled in ``running`` (the requests scheduled before it come earlier, or
-                # got in first, in step 0), or is that request.
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                self._schedule(out, request, num_new)
-                budget -= num_new
-                i += 1
-                continue
-            # The current request was preempted; the list shifted, do not advance i.
+        self._reserved = StepShape()
+
+        # 1. Running requests, in the policy's order: their decodes, then their unfinished prefills.
+        budget = self._schedule_running(out, budget, most, scheduled, prefills=False)
+        budget = self._schedule_running(out, budget, most, scheduled, prefills=True)
 
         # 2. Swapped requests come back first, then waiting requests fill the rest (not in a step that
         #    had to preempt, nor while a swapped request waits for room).
@@ -285,6 +285,77 @@ class Scheduler:
         out.copies_out, out.copies_in = self.kv_cache_manager.take_copies()
         return out
 
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, most: int, scheduled: set[str], prefills: bool
+    ) -> int:
+        """Schedule the running requests' decodes (``prefills`` False: rows of one token, with their
+        drafts when there is room) or their unfinished prefills (True: chunks), in ``running``'s
+        order, preempting the last running request not yet scheduled when blocks run out; returns
+        the token budget left."""
+        groups = self.config.interleaved_steps
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled_requests) < most:
+            request = self.running[i]
+            remaining = request.num_tokens_with_pending - request.num_computed_tokens
+            pending = request.num_pending_tokens
+            if (
+                remaining <= 0
+                or (remaining > 1) != prefills
+                or request.request_id in scheduled
+                or (pending and (groups > 1 or request.reaches_length_with_pending))
+            ):
+                i += 1
+                continue
+            num_new = self._chunk(out, request.num_computed_tokens, remaining, budget) if prefills else 1
+            if num_new <= 0:
+                i += 1  # no room in this step's time for more prefill
+                continue
+            # A decode may also verify the request's draft tokens, when there is room for them.
+            drafts = request.spec_token_ids[: budget - 1] if not prefills and not pending else []
+            if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
+                num_new += len(drafts)
+            elif not self._make_room(out, request, num_new, scheduled):
+                continue  # the current request was preempted; the list shifted, do not advance i
+            else:
+                drafts = []
+            self._schedule(out, request, num_new, drafts)
+            scheduled.add(request.request_id)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _make_room(self, out: SchedulerOutput, request: Request, num_new: int, scheduled: set[str]) -> bool:
+        """Allocate slots for ``num_new`` tokens of a running request, preempting the last running
+        request not yet scheduled this step (one after it in ``running``, or itself) until they fit;
+        returns False when the request itself was preempted."""
+        while self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(request, num_new):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _chunk(self, out: SchedulerOutput, start: int, remaining: int, budget: int) -> int:
+        """The prompt tokens a request at position ``start`` with ``remaining`` to compute gets this
+        step: all that the token budget allows, and within the step-time target when there is one
+        and the step has decodes (a step of prompts alone keeps no stream waiting)."""
+        shape = out.shape + self._reserved
+        if self.step_budget is None or shape.rows == shape.prefill_rows:
+            return min(remaining, budget)
+        return self.step_budget.chunk_limit(shape, start, remaining, budget)
+
+    def _decode_reservation(self) -> StepShape:
+        """The rows of the running requests that will decode this step (see ``_schedule_running``)."""
+        shape = StepShape()
+        for request in self.running:
+            remaining = request.num_tokens_with_pending - request.num_computed_tokens
+            pending = request.num_pending_tokens
+            if remaining == 1 and not (
+                pending and (self.config.interleaved_steps > 1 or request.reaches_length_with_pending)
+            ):
+                shape = shape.plus(request.num_computed_tokens, 1)
+        return shape
+
     def _swap_in(self, out: SchedulerOutput, budget: int, most: int) -> tuple[int, bool]:
         """Bring swapped requests back, in order, while there is room; returns the budget left and
         whether one is left waiting for room (one whose token is in flight waits for that instead)."""
@@ -294,7 +365,12 @@ class Scheduler:
             if request.num_pending_tokens:
                 idx += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = (
+                self._chunk(out, request.num_computed_tokens, remaining, budget)
+                if remaining > 1
+                else min(remaining, budget)
+            )
             if (
                 num_new <= 0
                 or len(out.scheduled_requests) >= most
@@ -316,10 +392,12 @@ class Scheduler:
         steps only, whose rows are computed exactly as plain decoding computes them. Returns the
         tokens given back (their slots stay allocated, for the tokens to come)."""
         freed = 0
+        out.shape = StepShape()
         for s in out.scheduled_requests:
             freed += len(s.draft_token_ids)
             s.num_tokens -= len(s.draft_token_ids)
             s.draft_token_ids = []
+            out.shape = out.shape.plus(s.request.num_computed_tokens, s.num_tokens)
         return freed
 
     def _admit(self, out: SchedulerOutput, idx: int, budget: int) -> int | None:
@@ -330,7 +408,9 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return None
         computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-        num_new = min(request.num_tokens - num_cached, budget)
+        num_new = self._chunk(out, num_cached, request.num_tokens - num_cached, budget)
+        if num_new <= 0:
+            return None  # no room in this step's time for more prefill
         if self.config.whole_prompts and num_new < request.num_tokens - num_cached:
             return None  # the rest of the prompt waits for a step with room for all of it
         if self.config.uses_kv_cache and not self.kv_cache_manager.allocate_slots(request, num_new, computed):
@@ -351,10 +431,20 @@ class Scheduler:
         self, out: SchedulerOutput, request: Request, num_tokens: int, drafts: list[int] | None = None
     ) -> None:
         out.scheduled_requests.append(ScheduledRequest(request, num_tokens, drafts or []))
+        out.shape = out.shape.plus(request.num_computed_tokens, num_tokens, len(drafts or []))
         # Blocks this step fills are shared from now on (see KVCacheManager.cache_full_blocks); a
         # block ending in a pending token is registered by a later step, once its ids are known.
         known = min(request.num_computed_tokens + num_tokens, request.num_tokens)
         out.newly_cached_blocks += self.kv_cache_manager.cache_full_blocks(request, known)
+
+    def step_done(self, out: SchedulerOutput) -> None:
+        """A step's outputs are out: feed its time, as its requests' streams saw it, to the step-time
+        cost model (when there is a target): from its scheduling, or from the previous step's end
+        when it was scheduled before that (steps in flight), to now."""
+        now = time.perf_counter()
+        if self.step_budget is not None:
+            self.step_budget.observe(out.shape, now - max(out.scheduled_at, self._last_step_done))
+        self._last_step_done = now
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts after the step's forward ran (draft tokens included: the

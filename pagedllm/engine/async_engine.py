@@ -35,7 +35,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
 from pagedllm.engine.core_protocol import check_wire_priority
 from pagedllm.engine.engine_state import EngineCall, EngineStateAccess
 from pagedllm.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
-from pagedllm.engine.metrics import EngineMetrics, StatLogger
+from pagedllm.engine.metrics import EngineMetrics, RequestTimes, StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -93,8 +93,7 @@ class _Stream:
         self.accepted: asyncio.Future[None] = loop.create_future()
         self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         # Timing, touched by the engine thread only.
-        self.arrival = time.monotonic()
-        self.first_token_time: float | None = None
+        self.times = RequestTimes(time.monotonic())
 
     def _call(self, fn: Any, *args: Any) -> None:
         try:
@@ -296,6 +295,8 @@ class AsyncLLMEngine(EngineStateAccess):
     ) -> _Stream:
         """Hand a request to the engine thread and wait until the engine has accepted it."""
         stream = _Stream(request_id, asyncio.get_running_loop())
+        if isinstance(prompt, list):
+            stream.times.num_prompt_tokens = len(prompt)
         with self._lock:
             if self._dead is not None or not self._started:
                 raise EngineDeadError(self.dead_message())
@@ -518,7 +519,7 @@ class AsyncLLMEngine(EngineStateAccess):
                     continue
             try:
                 self.engine.add_request(
-                    stream.request_id, cmd.prompt, cmd.params, stream.arrival, priority=cmd.priority
+                    stream.request_id, cmd.prompt, cmd.params, stream.times.arrival, priority=cmd.priority
                 )
             except Exception as exc:  # noqa: BLE001 - rejected requests report to their caller
                 self._drop(stream)
@@ -552,29 +553,8 @@ class AsyncLLMEngine(EngineStateAccess):
             if stream is None:
                 continue  # aborted meanwhile
             by_loop.setdefault(stream.loop, []).append((stream, out))
-            if metrics is None:
-                continue
-            m = out.metrics
-            # An embedding counts as one finished output, its time as that of a first token.
-            completions = out.outputs if isinstance(out, RequestOutput) else []
-            if stream.first_token_time is None:
-                # The engine's time of the first token (an output may come only at the end).
-                first = m.first_token_time if m is not None else None
-                if first is None and any(c.token_ids for c in completions):
-                    first = now
-                if first is not None:
-                    stream.first_token_time = first
-                    metrics.time_to_first_token.observe(max(0.0, first - stream.arrival))
-            if out.finished:
-                metrics.e2e_request_latency.observe(now - stream.arrival)
-                if m is not None and m.first_scheduled_time is not None:
-                    metrics.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-                elif stream.first_token_time is not None:
-                    metrics.request_queue_time.observe(stream.first_token_time - stream.arrival)
-                for completion in completions:
-                    metrics.record_finished(completion.finish_reason)
-                if not isinstance(out, RequestOutput):
-                    metrics.record_finished("stop")
+            if metrics is not None:
+                metrics.observe_output(stream.times, out, now)
         for loop, deliveries in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_outputs, deliveries)

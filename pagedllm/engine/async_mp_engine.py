@@ -48,6 +48,7 @@ class RemoteEngine:
         self.default_sampling: dict[str, float | int] = dict(info.default_sampling)
         self.pooling_config = PoolingConfig(*info.pooling) if info.pooling is not None else None
         self.scheduling_policy = info.scheduling_policy
+        self.max_num_batched_tokens = info.max_num_batched_tokens or info.max_model_len
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
@@ -127,6 +128,21 @@ class AsyncMPEngine(AsyncLLMEngine):
     @property
     def is_running(self) -> bool:
         return self._started and self._dead is None and self.client.num_alive > 0
+
+    def unresponsive_message(self) -> str | None:
+        """What ``/health`` says while a living core has missed its heartbeats (None when every
+        core answers): it is back to healthy as soon as the core is heard from, and taken for dead
+        after the liveness timeout."""
+        silent = self.client.unresponsive()
+        if not silent:
+            return None
+        cores = ", ".join(
+            f"engine core {rank} unresponsive for {s:.1f} s" for rank, s in sorted(silent.items())
+        )
+        return (
+            f"{cores[0].upper()}{cores[1:]}; a core silent for {self.client.liveness_timeout:g} s is "
+            "taken for dead and its requests fail (--engine-liveness-timeout)."
+        )
 
     def dead_message(self) -> str:
         if self._dead is None and self._started:
@@ -259,6 +275,8 @@ def _total(stats: Any) -> EngineStats:
         out.prefix_cache_queries += s.prefix_cache_queries
         out.prefix_cache_hits += s.prefix_cache_hits
         out.prompt_tokens += s.prompt_tokens
+        out.prompt_tokens_cached += s.prompt_tokens_cached
+        out.prompt_tokens_computed += s.prompt_tokens_computed
         out.generation_tokens += s.generation_tokens
         used += s.kv_cache_usage * s.num_kv_blocks
     out.kv_cache_usage = used / out.num_kv_blocks if out.num_kv_blocks else 0.0

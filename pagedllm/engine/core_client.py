@@ -9,10 +9,15 @@ thread (:meth:`add`, :meth:`abort`), decodes what the cores send, and reports to
 
 A core counts as dead when it says so (:class:`CoreDead`), when its process (if this machine runs
 it) has exited, when the launcher of its machine reports its exit (``--headless``), or when it has
-been silent for :data:`DEAD_AFTER_S` (cores send a heartbeat every 0.2 s, from a thread that a long
-forward does not block). Its requests then fail with
+been silent for ``liveness_timeout`` seconds (``--engine-liveness-timeout``; cores send a heartbeat
+every 0.2 s, from a thread that a long forward does not block). A core silent that long is also
+told to shut down and, when this machine runs it, killed (SIGKILL): a stopped or hung process never
+comes back to requests that have already failed. Its requests then fail with
 :class:`~pagedllm.engine.async_engine.EngineDeadError`; new requests go to the living cores; when
-none is left the listener hears :meth:`ClientListener.all_dead`.
+none is left the listener hears :meth:`ClientListener.all_dead`. Before that, a core silent for
+:func:`~pagedllm.engine.core_liveness.unresponsive_after` (2 s by default) is *unresponsive*
+(:meth:`CoreClient.unresponsive`: ``/health`` says 503 while any is): new requests avoid it while
+another core answers, and it is responsive again as soon as it is heard from.
 """
 
 from __future__ import annotations
@@ -20,15 +25,22 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import zmq
 
+from pagedllm.engine.core_liveness import (
+    DEFAULT_LIVENESS_TIMEOUT_S,
+    describe_exit,
+    kill_process,
+    pid_state,
+    unresponsive_after,
+)
 from pagedllm.engine.core_protocol import (
     AbortRequests,
     AddRequest,
@@ -61,10 +73,6 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.client")
 
-# A core silent for this long is taken for dead (it sends a heartbeat every 0.2 s, from a thread
-# that its forward does not block). A core that dies is noticed sooner: by its process's exit when
-# this machine started it, by its machine's launcher's report otherwise.
-DEAD_AFTER_S = 5.0
 # The client pings every core this often (so that cores notice a front-end that went away).
 PING_S = 1.0
 
@@ -89,27 +97,6 @@ class ClientListener(Protocol):
     def steps_reported(self, rank: int, steps: list[StepRecord]) -> None: ...  # the dashboard's step records
 
     def state_reported(self, rank: int, query_id: int, state: bytes | None) -> None: ...  # None: no answer
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is running"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def pid_state(pid: int) -> str | None:
-    """The state letter of a process (None when it no longer exists; 'Z' for a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3].decode()
 
 
 @dataclass
@@ -152,6 +139,7 @@ class CoreClient:
 
     ``pids`` maps the ranks whose processes run on this machine to their process ids (watched
     directly, so a killed core is noticed at once). ``routing`` is ``prefix`` or ``round_robin``.
+    ``liveness_timeout``: seconds of silence after which a core is taken for dead.
     """
 
     def __init__(
@@ -165,8 +153,10 @@ class CoreClient:
         pid_exit: Callable[[int], int | None] | None = None,
         routing: str = "prefix",
         owns_cores: bool = True,
+        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_S,
     ) -> None:
         self.index = index
+        self.liveness_timeout = liveness_timeout
         self.frontend_addresses = list(frontend_addresses)
         self.ranks = list(ranks)
         # Set before start(); the handshake reports nothing.
@@ -296,6 +286,14 @@ class CoreClient:
     def num_alive(self) -> int:
         return sum(1 for c in self.cores.values() if c.alive)
 
+    def unresponsive(self, now: float | None = None) -> dict[int, float]:
+        """The living cores silent for over :func:`unresponsive_after` the liveness timeout (2 s by
+        default): rank -> seconds since last heard from. Safe from any thread."""
+        now = time.monotonic() if now is None else now
+        after = unresponsive_after(self.liveness_timeout)
+        silent = {c.rank: now - c.last_seen for c in list(self.cores.values()) if c.alive}
+        return {rank: s for rank, s in silent.items() if s > after}
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the I/O thread (telling every core to shut down, if this client owns them);
         idempotent. Cores that exit from then on are not reported as deaths."""
@@ -352,7 +350,12 @@ class CoreClient:
                     return
                 while self.sock.poll(0):
                     identity, payload = self.sock.recv_multipart()
-                    self._handle(decode(payload))
+                    try:
+                        message = decode(payload)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        logger.error("Dropped a message from an engine core that does not decode: %s", exc)
+                        continue
+                    self._handle(message)
                 now = time.monotonic()
                 if now - last_ping >= PING_S:
                     last_ping = now
@@ -405,10 +408,12 @@ class CoreClient:
             self._route(cmd)
 
     def _route(self, cmd: _Add) -> None:
+        # An unresponsive core gets new requests only when no core answers.
+        silent = self.unresponsive()
         loads = {
             c.rank: max(c.in_flight, c.stats.num_running + c.stats.num_waiting)
             for c in self.cores.values()
-            if c.alive
+            if c.alive and (c.rank not in silent or len(silent) == self.num_alive)
         }
         if not loads:
             self.listener.rejected(cmd.request_id, EngineDeadError(self.dead_message()))
@@ -424,7 +429,15 @@ class CoreClient:
         else:
             message = AddRequest(cmd.request_id, cmd.prompt_ids, pooling=params, priority=cmd.priority)
             n = 1
-        if not self._send(core, self.codec.encode(message)):
+        try:
+            payload = self.codec.encode(message)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+            self._acc.pop(cmd.request_id, None)  # a value no message can carry: this request alone fails
+            self.listener.rejected(
+                cmd.request_id, ValueError(f"The request cannot be sent to the engine: {exc}")
+            )
+            return
+        if not self._send(core, payload):
             self._acc.pop(cmd.request_id, None)
             self.listener.rejected(cmd.request_id, EngineDeadError(f"engine core {rank} is unreachable"))
             return
@@ -507,8 +520,21 @@ class CoreClient:
             if state is not None:
                 self._core_died(core.rank, f"its process {state}")
                 continue
-            if now - core.last_seen > DEAD_AFTER_S:
-                self._core_died(core.rank, f"no word from it for {now - core.last_seen:.1f} s")
+            silence = now - core.last_seen
+            if silence > self.liveness_timeout:
+                self._stop_silent(core)
+                self._core_died(
+                    core.rank,
+                    f"no word from it for {silence:.1f} s (--engine-liveness-timeout {self.liveness_timeout:g})",
+                )
+
+    def _stop_silent(self, core: _Core) -> None:
+        """Tell a core taken for dead by its silence to shut down (should it ever read it) and kill
+        its process if this machine runs it (it was just seen running, so the pid is still its)."""
+        self._send(core, self.codec.encode(Shutdown()))
+        if core.pid is not None:
+            logger.error("Killing engine core %d (pid %d): silent for too long.", core.rank, core.pid)
+            kill_process(core.pid)
 
     def _process_state(self, rank: int) -> str | None:
         """How a local core's process ended ("was killed by SIGKILL"), None while it runs or when
@@ -557,6 +583,7 @@ class CoreClient:
 
 
 __all__ = [
+    "DEFAULT_LIVENESS_TIMEOUT_S",
     "ClientListener",
     "CoreClient",
     "describe_exit",

@@ -54,6 +54,7 @@ from pagedllm.engine.core_protocol import (
     Shutdown,
     StartFailed,
     Welcome,
+    undecodable_request,
 )
 from pagedllm.engine.engine_state import encode_state
 from pagedllm.engine.metrics import StatLogger
@@ -106,6 +107,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         enable_prefix_caching=engine.kv_cache_manager.enable_caching,
         pooling=pooling,
         scheduling_policy=config.scheduling_policy,
+        max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
     )
 
 
@@ -202,7 +204,20 @@ class _CoreIO:
                 if sock not in ready:
                     continue
                 while sock.poll(0):
-                    self._handle(index, decode(sock.recv()))
+                    raw = sock.recv()
+                    try:
+                        message = decode(raw)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        self._undecodable(index, raw, exc)
+                        continue
+                    try:
+                        self._handle(index, message)
+                    except Exception as exc:  # noqa: BLE001 - one message never stops the core
+                        logger.exception(
+                            "Core %d: could not handle a %s.", self.options.rank, type(message).__name__
+                        )
+                        if isinstance(message, AddRequest):
+                            self._reject(message.request_id, f"The engine could not take this request: {exc}")
                 self.last_heard = time.monotonic()
             self._check_compiles()
             now = time.monotonic()
@@ -251,6 +266,20 @@ class _CoreIO:
         elif isinstance(message, Ping | Welcome):
             pass
 
+    def _undecodable(self, index: int, raw: bytes, exc: Exception) -> None:
+        """A message that does not decode into one of the core's types changes nothing: a request
+        whose id can still be read is refused (a 400 for its client, naming the field), anything else
+        is logged and dropped. The core never stops for what a front-end sent."""
+        request_id, field = undecodable_request(raw, exc)
+        if request_id is None:
+            logger.warning("Core %d: dropped a message it cannot decode (%s).", self.options.rank, exc)
+            return
+        detail = str(exc).split(" - at `", 1)[0]
+        if field is None or not detail.startswith("Expected"):  # the parameters' own check names it
+            self._reject(request_id, detail, index)
+        else:
+            self._reject(request_id, f"{field}: the engine cannot take this value: {detail}.", index)
+
     def _check_compiles(self) -> None:
         """Hand compiled requests to the step loop; refuse those whose grammar failed or is too slow."""
         if not self.compiling:
@@ -271,8 +300,11 @@ class _CoreIO:
                     rid, f"structured_outputs: compiling the grammar took longer than {timeout:g} s."
                 )
 
-    def _reject(self, request_id: str, message: str) -> None:
-        index = self.owner.pop(request_id, 0)
+    def _reject(self, request_id: str, message: str, index: int | None = None) -> None:
+        """Refuse a request: to front-end ``index`` when given (the request's id is not taken over
+        from the request in flight that may hold it), else to its owner."""
+        if index is None:
+            index = self.owner.pop(request_id, 0)
         out = CoreOutputs(
             self.options.rank, time.monotonic(), rejected=[Rejection(request_id, False, message)]
         )
@@ -449,6 +481,10 @@ class EngineCoreProc:
             ):
                 if index or not intervals:
                     continue  # the I/O thread's heartbeat carries the stats
+            # Stamped as it is sent, not when the step began: the front-end maps the core's times
+            # by (its receive time - core_time), and an earlier stamp would move the times this
+            # step recorded past the message's receipt (a first token after the client got it).
+            out.core_time = time.monotonic()
             self.io.send(index, self.codec.encode(out))
         if log and self.stat_logger is not None:
             self.stat_logger.maybe_log(stats)

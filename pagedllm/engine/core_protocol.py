@@ -47,6 +47,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     # Pooling of an embed engine: (type, normalize, hidden size, matryoshka sizes or None).
     pooling: tuple[str, bool, int, tuple[int, ...] | None] | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priorities are taken)
+    max_num_batched_tokens: int = 0  # a step's token budget (0: not reported)
 
 
 # -- front-end -> core ------------------------------------------------------------------------
@@ -72,6 +73,29 @@ def check_wire_priority(priority: object) -> None:
         raise ValueError(
             f"priority must be a 64-bit integer ({PRIORITY_MIN} to {PRIORITY_MAX}), got {priority}."
         )
+
+
+def undecodable_request(raw: bytes, exc: Exception) -> tuple[str | None, str | None]:
+    """For a message that failed to decode as :data:`ToCore` with ``exc``: the id of the request it
+    carries, if it is an :class:`AddRequest` whose id can still be read, and the request field that
+    ``exc`` names (``structured_outputs.json`` for ``$[3].structured_outputs.json``), if any."""
+    try:
+        items = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None, None
+    if not (isinstance(items, list) and len(items) > 1 and items[0] == "add" and isinstance(items[1], str)):
+        return None, None
+    path = str(exc).rpartition(" - at `$")[2].rstrip("`")
+    head, _, rest = path.partition("]")
+    try:
+        position = int(head.lstrip("[")) - 1  # element 0 is the type tag
+        name = AddRequest.__struct_fields__[position]
+    except (ValueError, IndexError):
+        return items[1], None
+    rest = rest.lstrip(".")
+    if name in ("sampling", "pooling") and rest:
+        return items[1], rest  # the parameters' own field names are the request's
+    return items[1], name + rest if rest.startswith("[") or not rest else f"{name}.{rest}"
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -212,4 +236,5 @@ __all__ = [
     "ToCore",
     "Welcome",
     "check_wire_priority",
+    "undecodable_request",
 ]

@@ -35,3 +35,37 @@ def check_speculative(config: EngineConfig, task: str) -> SpeculativeConfig | No
             "follow the latest token, which scheduling ahead does not have yet)."
         )
     return spec
+
+
+# The step-time target where ``max_step_time_ms`` is unset, by device type: on a CPU a step of
+# ``max_num_batched_tokens`` prompt tokens takes seconds, which every running stream waits out; on a
+# GPU such a step takes milliseconds, and the token budget alone is right.
+DEFAULT_MAX_STEP_TIME_MS = {"cpu": 200.0}
+
+
+def resolve_step_time(
+    config: EngineConfig, task: str, device_type: str, interleaved_steps: int
+) -> float | None:
+    """The step-time target in seconds (None: off), from ``max_step_time_ms``: unset means the
+    device's default (200 ms on CPU, off elsewhere), 0 means off. ValueError, naming the field, where
+    a target was asked for and cannot apply: task 'embed' (a prompt is pooled whole, in one step) and
+    pipeline stages running interleaved steps (their steps overlap)."""
+    ms = config.max_step_time_ms
+    if ms is None:
+        ms = (
+            DEFAULT_MAX_STEP_TIME_MS.get(device_type, 0.0)
+            if task == "generate" and interleaved_steps == 1
+            else 0.0
+        )
+    elif ms and task != "generate":
+        raise ValueError(
+            f"max_step_time_ms does not apply to task {task!r}: a prompt is pooled whole, in one step "
+            "(set 0 or leave it unset)."
+        )
+    elif ms and interleaved_steps > 1:
+        raise ValueError(
+            "max_step_time_ms does not apply with pipeline stages running interleaved steps "
+            "(pipeline_parallel_size > 1 with async scheduling): set 0, leave it unset, or turn "
+            "async_scheduling off."
+        )
+    return ms / 1000.0 if ms else None

@@ -43,6 +43,12 @@ def _request_row(request: Any, block_size: int, with_blocks: bool) -> dict[str, 
     return row
 
 
+def step_time_ms(scheduler: Any) -> float | None:
+    """The step-time target in milliseconds (None: off)."""
+    budget = getattr(scheduler, "step_budget", None)
+    return None if budget is None else float(budget.target_s * 1000.0)
+
+
 def build_state(engine: Any) -> dict[str, Any]:
     """The engine's state as JSON-ready data (see docs/DASHBOARD.md for the fields). Engine thread
     only, between steps."""
@@ -72,6 +78,7 @@ def build_state(engine: Any) -> dict[str, Any]:
             "policy": scheduler.config.policy,
             "num_host_blocks": manager.host.pool.num_blocks if manager.host is not None else 0,
             "preemption_mode": scheduler.config.preemption_mode,
+            "max_step_time_ms": step_time_ms(scheduler),
         },
         "stats": stats,
         "blocks": block_states(pool),

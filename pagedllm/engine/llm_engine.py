@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedllm.engine.engine_checks import check_priority, check_speculative
+from pagedllm.engine.engine_checks import check_priority, check_speculative, resolve_step_time
 from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_processor import PoolingLimits, PoolingProcessor, resolve_task
@@ -216,11 +216,12 @@ class LLMEngine:
                 policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
                 costs=getattr(executor, "preemption_costs", None),
+                max_step_time_s=resolve_step_time(config, self.task, self.device.type, interleaved),
             ),
             self.kv_cache_manager,
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = 0  # prompt tokens computed (stats: prompt_tokens_computed)
         self.step_events = StepEvents()  # a bounded record of the latest steps (the dashboard's)
         self.step_times = StepPhaseTimes()
         self.num_generation_tokens = 0
@@ -414,6 +415,7 @@ class LLMEngine:
         requests = [s.request for s in scheduler_output.scheduled_requests]
         for scheduled in scheduler_output.scheduled_requests:
             self.num_prompt_tokens += scheduled.num_tokens
+            self.output_processor.count_prompt(scheduled.request)
             self.scheduler.finish_request(scheduled.request, RequestStatus.FINISHED_STOPPED)
         outputs = self.pooling.outputs(requests, pooled)
         times.outputs += time.perf_counter() - started
@@ -515,6 +517,7 @@ class LLMEngine:
             if output.finished:
                 self.output_processor.remove(pid)
         self.step_times.outputs += time.perf_counter() - started
+        self.scheduler.step_done(step.scheduler_output)  # its time, for the step-time budget
         return outputs
 
     # -- introspection ----------------------------------------------------------------------
@@ -536,7 +539,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.stats.queries,
             prefix_cache_hits=self.kv_cache_manager.stats.hits,
-            prompt_tokens=self.num_prompt_tokens,
+            prompt_tokens=self.output_processor.num_prompt_tokens,
+            prompt_tokens_cached=self.output_processor.num_cached_prompt_tokens,
+            prompt_tokens_computed=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             spec_drafts=self.num_drafts,
             spec_draft_tokens=self.num_draft_tokens,

@@ -3,8 +3,17 @@
 Every metric lives in the ``CollectorRegistry`` of its :class:`EngineMetrics`, so several engines (or
 tests) in one process never collide, and all names carry the ``pagedllm:`` prefix. Gauges and the
 token/preemption/prefix-cache counters are fed from :class:`~pagedllm.engine.stats.EngineStats`
-snapshots (counters advance by the difference to the previous snapshot); per-request latencies are
-observed by the async engine from its own timestamps.
+snapshots (counters advance by the difference to the previous snapshot); per-request latencies,
+sizes and finish counts are observed by the async engine (:meth:`EngineMetrics.observe_output`) from
+its own timestamps.
+
+Series named as vLLM's mean what vLLM's mean, so that its dashboards read them right: a request is
+what a client sent (its ``n`` sequences count once: ``request_success_total``, the request
+histograms), ``prompt_tokens_total`` counts every prompt token of a request, prefix-cache hits
+included, split by ``prompt_tokens_by_source_total`` and ``prompt_tokens_cached_total``; the
+series of our own (``prompt_tokens_computed_total``, ``sequence_success_total``) count the engine's
+prefill work and each sequence. Time to first token runs from the request's arrival at the front-end
+to the engine's first token, both on the front-end's clock, so it never exceeds what the client sees.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,6 +34,7 @@ from prometheus_client import (
 )
 
 from pagedllm.engine.stats import EngineStats
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +53,24 @@ _REQUEST_BUCKETS = (
     480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
+# Token counts of one request: 1, 2, 5, 10, 20, 50, ... up to 5 million (vLLM's 1-2-5 series).
+_TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+# vLLM's prompt-token sources; this engine has no external KV transfer (always 0).
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Where front-end processes write their metrics for each other (set before prometheus_client loads).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+@dataclass
+class RequestTimes:
+    """A request's times on its front-end's clock (``time.monotonic``): its arrival (when the
+    front-end hands it to the engine, after reading and tokenizing it) and its first token's."""
+
+    arrival: float
+    first_token_time: float | None = None
+    num_prompt_tokens: int = 0  # when known at submission (an output may not carry its prompt)
 
 
 class EngineMetrics:
@@ -99,7 +125,23 @@ class EngineMetrics:
         self._counters = {
             field: Counter(PREFIX + name, doc, per_engine, registry=reg)
             for field, name, doc in (
-                ("prompt_tokens", "prompt_tokens", "Prefill tokens computed."),
+                (
+                    "prompt_tokens",
+                    "prompt_tokens",
+                    "Prompt tokens of requests whose prefill completed, prefix-cache hits included "
+                    "(once per request, whatever its n).",
+                ),
+                (
+                    "prompt_tokens_cached",
+                    "prompt_tokens_cached",
+                    "Of prompt_tokens, those found in the prefix cache (device or host tier).",
+                ),
+                (
+                    "prompt_tokens_computed",
+                    "prompt_tokens_computed",
+                    "Prompt tokens run through the model (prefill), recomputation after preemption and "
+                    "each of n sequences' own prefill included.",
+                ),
                 ("generation_tokens", "generation_tokens", "Tokens generated."),
                 ("num_preemptions", "num_preemptions", "Requests preempted to free KV-cache blocks."),
                 (
@@ -139,6 +181,13 @@ class EngineMetrics:
                 ),
             )
         }
+        self._prompt_tokens_by_source = Counter(
+            PREFIX + "prompt_tokens_by_source",
+            "Prompt tokens of requests by source: computed here (local_compute), found in the prefix "
+            "cache (local_cache_hit) or transferred (external_kv_transfer, always 0 here).",
+            per_engine + ["source"],
+            registry=reg,
+        )
         self._num_engines_alive = Gauge(
             PREFIX + "num_engines_alive",
             "Engine cores serving (data parallel: up to its size).",
@@ -148,16 +197,38 @@ class EngineMetrics:
         ).labels(model_name)
         self._request_success = Counter(
             PREFIX + "request_success",
-            "Finished completions, by finish reason.",
+            "Finished requests, once per request (n > 1 included), by the finish reason of its first "
+            "sequence.",
             labels + ["finished_reason"],
             registry=reg,
         )
-        for reason in ("stop", "length"):
+        self._sequence_success = Counter(
+            PREFIX + "sequence_success",
+            "Finished sequences (each of a request's n completions), by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
+            self._sequence_success.labels(model_name, reason)
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens",
+            "Prompt tokens of each finished request, prefix-cache hits included.",
+            labels,
+            buckets=_TOKEN_COUNT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens",
+            "Tokens generated for each finished request (all of its n sequences).",
+            labels,
+            buckets=_TOKEN_COUNT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
 
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
+            "Time from the request's arrival at the front-end to its first generated token.",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=reg,
@@ -200,6 +271,8 @@ class EngineMetrics:
                 *self._counters.values(),
             ):
                 family.labels(name, engine)
+            for source in PROMPT_TOKEN_SOURCES:
+                self._prompt_tokens_by_source.labels(name, engine, source)
 
     def record_stats(self, stats: EngineStats, engine: str = "0") -> None:
         """Set an engine core's gauges and advance its counters by the change since its previous
@@ -218,6 +291,16 @@ class EngineMetrics:
             new, old = getattr(stats, field), getattr(last, field)
             if new > old:
                 counter.labels(name, engine).inc(new - old)
+        by_source = self._prompt_tokens_by_source
+        computed = (stats.prompt_tokens - stats.prompt_tokens_cached) - (
+            last.prompt_tokens - last.prompt_tokens_cached
+        )
+        if computed > 0:
+            by_source.labels(name, engine, "local_compute").inc(computed)
+        if stats.prompt_tokens_cached > last.prompt_tokens_cached:
+            by_source.labels(name, engine, "local_cache_hit").inc(
+                stats.prompt_tokens_cached - last.prompt_tokens_cached
+            )
         self._last_stats[engine] = stats
 
     def clear_engine(self, engine: str) -> None:
@@ -235,9 +318,40 @@ class EngineMetrics:
     def set_engines_alive(self, n: int) -> None:
         self._num_engines_alive.set(n)
 
-    def record_finished(self, finish_reason: str | None) -> None:
-        """Count one finished completion (one of a request's ``n``)."""
-        self._request_success.labels(self.model_name, finish_reason or "unknown").inc()
+    def observe_output(
+        self, times: RequestTimes, out: RequestOutput | EmbeddingRequestOutput, now: float
+    ) -> None:
+        """Observe one output of a request (``now``: when the front-end got it): its time to first
+        token on the first output that has one and, once it is finished, its end-to-end latency,
+        queue time, sizes and finish (one request, and each of its sequences).
+
+        An embedding counts as one finished sequence, its time as that of a first token. The engine's
+        times are on the front-end's clock already (see ``metrics_from_times``).
+        """
+        m = out.metrics
+        completions = out.outputs if isinstance(out, RequestOutput) else []
+        if times.first_token_time is None:
+            # The engine's time of the first token (an output may come only at the end).
+            first = m.first_token_time if m is not None else None
+            if first is None and any(c.token_ids for c in completions):
+                first = now
+            if first is not None:
+                times.first_token_time = first
+                self.time_to_first_token.observe(max(0.0, first - times.arrival))
+        if not out.finished:
+            return
+        self.e2e_request_latency.observe(now - times.arrival)
+        if m is not None and m.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        elif times.first_token_time is not None:
+            self.request_queue_time.observe(max(0.0, times.first_token_time - times.arrival))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids) or times.num_prompt_tokens)
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in completions))
+        reasons = [c.finish_reason for c in sorted(completions, key=lambda c: c.index)] or ["stop"]
+        name = self.model_name
+        self._request_success.labels(name, reasons[0] or "unknown").inc()
+        for reason in reasons:
+            self._sequence_success.labels(name, reason or "unknown").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (of every front-end process when they

@@ -117,7 +117,9 @@ class ParentState:
 class OutputProcessor:
     """Per-request text state. ``token_intervals`` holds, for every token a sequence got after its
     first, the seconds since its previous token (at most the latest ``MAX_TOKEN_INTERVALS``; whoever
-    reports latencies drains it)."""
+    reports latencies drains it). ``num_prompt_tokens`` totals the prompts of the requests that got
+    their first token (once per request, whatever its ``n``; see :meth:`count_prompt`), and
+    ``num_cached_prompt_tokens`` the part of them found in the prefix cache."""
 
     MAX_TOKEN_INTERVALS = 1 << 16
 
@@ -127,6 +129,14 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.sequences: dict[str, SequenceState] = {}
         self.token_intervals: deque[float] = deque(maxlen=self.MAX_TOKEN_INTERVALS)
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+
+    def count_prompt(self, req: Request) -> None:
+        """Count a request's prompt, all of it, and the part served from the prefix cache when it
+        was first scheduled (vLLM's ``prompt_tokens_total`` and ``prompt_tokens_cached_total``)."""
+        self.num_prompt_tokens += req.num_prompt_tokens
+        self.num_cached_prompt_tokens += max(req.num_cached_tokens, 0)
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         first = children[0]
@@ -175,6 +185,8 @@ class OutputProcessor:
     ) -> RequestStatus | None:
         """Append a sampled token (sampled at ``now``, by ``time.monotonic``); returns the finishing
         status if the sequence is done."""
+        if req.first_token_time is None and req.index == 0:
+            self.count_prompt(req)  # its prefill is done: the request's prompt counts, once
         grammar = req.grammar
         if token_id < 0 or (grammar is not None and not grammar.accept_token(token_id)):
             # The request's constraints (allowed ids, bad words, min_tokens, a grammar) left no token

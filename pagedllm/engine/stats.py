@@ -17,7 +17,14 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
-    prompt_tokens: int = 0  # prompt tokens computed (prefill), total
+    # Prompt tokens of the requests whose prefill completed, once per request (not per sequence of
+    # n > 1), prefix-cache hits included: vLLM's prompt_tokens_total. Counted at the request's first
+    # token (an embedding request's at its pooling step).
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0  # of those, found in the prefix cache (device or host tier)
+    # Prompt tokens run through the model (prefill chunks), recomputation after preemption and every
+    # sequence's own prefill included: the engine's prefill work.
+    prompt_tokens_computed: int = 0
     generation_tokens: int = 0  # tokens generated, total
     spec_drafts: int = 0  # speculative decoding: request steps that verified drafts, total
     spec_draft_tokens: int = 0  # draft tokens verified, total

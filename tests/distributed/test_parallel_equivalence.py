@@ -110,6 +110,7 @@ def assert_same_schedule(ref: EngineStats, got: EngineStats) -> None:
         "prefix_cache_queries",
         "prefix_cache_hits",
         "prompt_tokens",
+        "prompt_tokens_computed",
         "generation_tokens",
     ]
     assert {f: getattr(got, f) for f in fields} == {f: getattr(ref, f) for f in fields}

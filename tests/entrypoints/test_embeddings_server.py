@@ -5,12 +5,17 @@ embeddings, an embed server refuses generation)."""
 from __future__ import annotations
 
 import base64
+import random
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import openai
+import psutil
 import pytest
 
+from helpers.processes import wait_gone
 from helpers.server import SMALL_ENGINE_ARGS, RemoteServer
 from pagedllm.model.packaged import MINILM_NAMES
 
@@ -22,9 +27,15 @@ TEXTS = [
 ]
 
 
+# This server's bound on the inputs of one request (the default is 2048): the large request of the
+# fair-share test has exactly that many.
+MAX_INPUTS = 512
+SERVER_ARGS = [MINILM_NAMES[0], "--task", "embed", "--served-model-name", MODEL, "--max-num-seqs", "8"]
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
-    args = [MINILM_NAMES[0], "--task", "embed", "--served-model-name", MODEL, "--max-num-seqs", "8"]
+    args = [*SERVER_ARGS, "--max-embedding-inputs", str(MAX_INPUTS)]
     with RemoteServer(args, startup_timeout=120) as srv:
         yield srv
         srv.wait_idle()
@@ -130,3 +141,102 @@ def test_generate_server_refuses_embeddings() -> None:
         done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
         assert done.choices[0].text is not None
         srv.wait_idle()
+
+
+# ------------------------------------------------------------------------------------------------
+# Fair share: a large request's inputs do not hold up the requests that arrive after it
+# ------------------------------------------------------------------------------------------------
+
+_WORDS = (
+    "the quick brown fox jumps over lazy dog while market prices rise and fall across many cities in "
+    "the north river valley"
+).split()
+PROBE = "A cat sat on the mat."
+
+
+def _passage(i: int, words: int = 40) -> str:
+    """A distinct text of about ``words + 6`` tokens."""
+    pick = random.Random(i).choice
+    return f"Passage {i}: " + " ".join(pick(_WORDS) for _ in range(words)) + "."
+
+
+def _embed_raw(server: RemoteServer, inputs: list[str], timeout: float = 900.0) -> list[bytes]:
+    """The embeddings of ``inputs`` as their float32 bytes (base64 on the wire: exact), in order."""
+    r = server.post("/v1/embeddings", json={"input": inputs, "encoding_format": "base64"}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(inputs)))
+    return [base64.b64decode(d["embedding"]) for d in data]
+
+
+def _check_fair_share(server: RemoteServer, num_inputs: int = MAX_INPUTS) -> None:
+    """A request of ``num_inputs`` inputs runs; a one-sentence request sent while it runs finishes
+    long before it (before the fix it waited for every input of the large one: its latency was the
+    large request's whole remaining time). Every embedding equals the input's embedding computed
+    alone, bit for bit, in the order of ``input``."""
+    texts = [_passage(i) for i in range(num_inputs)]
+    probe_alone = _embed_raw(server, [PROBE])[0]
+    sample = [*range(0, num_inputs, 64), num_inputs - 1]
+    alone = [_embed_raw(server, [texts[i]])[0] for i in sample]
+    done_before = server.metrics()["pagedllm:request_success_total"]
+    large: dict[str, object] = {}
+
+    def run_large() -> None:
+        try:
+            large["vectors"] = _embed_raw(server, texts)
+        finally:
+            large["end"] = time.monotonic()
+
+    thread = threading.Thread(target=run_large, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    # Send the small request once the large one is being served (a few of its inputs are done).
+    server.wait_for_metrics(
+        lambda m: m["pagedllm:request_success_total"] >= done_before + 8 or not thread.is_alive(), 600
+    )
+    assert thread.is_alive(), "the large request ended before the small one was sent"
+    sent = time.monotonic()
+    small = _embed_raw(server, [PROBE])[0]
+    small_done = time.monotonic()
+    thread.join(900)
+    assert not thread.is_alive() and "vectors" in large, "the large request did not finish"
+    large_end = large["end"]
+    assert isinstance(large_end, float)
+    duration, latency = large_end - started, small_done - sent
+    assert small_done < large_end and latency < 0.25 * duration, (latency, duration)
+    assert small == probe_alone
+    vectors = large["vectors"]
+    assert isinstance(vectors, list) and len(vectors) == num_inputs
+    assert [vectors[i] for i in sample] == alone
+    server.wait_idle()
+
+
+@pytest.mark.slow
+def test_a_large_request_does_not_hold_up_a_small_one(server: RemoteServer) -> None:
+    _check_fair_share(server)
+
+
+def test_too_many_inputs_is_a_400_naming_input(server: RemoteServer) -> None:
+    before = server.wait_idle()
+    r = server.post("/v1/embeddings", json={"input": ["word"] * (MAX_INPUTS + 1)})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input", error
+    assert f"at most {MAX_INPUTS}" in error["message"] and "--max-embedding-inputs" in error["message"]
+    # Nothing reached the engine (the fair-share test sends a request of exactly MAX_INPUTS inputs).
+    after = server.wait_idle()
+    assert after["pagedllm:prompt_tokens_total"] == before["pagedllm:prompt_tokens_total"]
+
+
+@pytest.mark.slow
+def test_fair_share_and_default_bound_without_core_processes() -> None:
+    """The same with the engine on a thread of the server (``--no-multiprocess``) and the default
+    bound of 2048 inputs (OpenAI's)."""
+    with RemoteServer([*SERVER_ARGS, "--no-multiprocess"], startup_timeout=180) as srv:
+        process = psutil.Process(srv.pid)
+        _check_fair_share(srv)
+        r = srv.post("/v1/embeddings", json={"input": ["word"] * 2049})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert "at most 2048" in r.json()["error"]["message"]
+        srv.wait_idle()
+    wait_gone([process], what="the server is still running")

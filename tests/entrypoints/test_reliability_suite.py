@@ -297,6 +297,12 @@ BAD_INPUTS = [
     chat("role-unknown", "messages", messages=[{"role": "wizard", "content": "Hi"}]),
     chat("content-number", "messages", messages=[{"role": "user", "content": 5}]),
     chat(
+        "content-text-part-without-text",
+        "messages[0].content[0].text",
+        messages=[{"role": "user", "content": [{"type": "text"}]}],
+        says="text is missing",
+    ),
+    chat(
         "content-image-part",
         "messages[0].content",
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
@@ -339,6 +345,63 @@ BAD_INPUTS = [
         messages=[{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}],
     ),
     chat("tool_choice-required", "tool_choice", tool_choice="required"),
+    # A schema that is not a JSON object passed the chat route and stopped the engine-core process
+    # (which could not decode the request); the same class of values on every route that takes one.
+    chat(
+        "response_format-schema-number",
+        "response_format",
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": 5}},
+        says="json_schema.schema",
+    ),
+    chat(
+        "response_format-schema-list",
+        "response_format",
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": [1, 2]}},
+    ),
+    chat(
+        "response_format-schema-string",
+        "response_format",
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": "{}"}},
+    ),
+    chat(
+        "response_format-without-name",
+        "response_format",
+        response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+    ),
+    chat(
+        "response_format-schema-with-json_object",
+        "response_format",
+        response_format={"type": "json_object", "json_schema": {"name": "t", "schema": {}}},
+    ),
+    chat(
+        "response_format-and-structured_outputs",
+        "response_format",
+        response_format={"type": "json_object"},
+        structured_outputs={"regex": "a+"},
+    ),
+    chat("structured_outputs-json-number", "structured_outputs", structured_outputs={"json": 5}),
+    chat(
+        "tools-parameters-number",
+        "tools",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": 5}}],
+        tool_choice="required",
+    ),
+    bad(
+        "responses-text-format-schema-number",
+        "POST",
+        "/v1/responses",
+        400,
+        "text",
+        body={"input": "Hi", "text": {"format": {"type": "json_schema", "name": "t", "schema": 5}}},
+    ),
+    bad(
+        "responses-tools-parameters-list",
+        "POST",
+        "/v1/responses",
+        400,
+        "tools",
+        body={"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": [1]}]},
+    ),
     chat("tool_choice-number", "tool_choice", tool_choice=5),
     chat("functions-unsupported", "functions", functions=[{"name": "f"}]),
     chat("audio-unsupported", "audio", audio={"voice": "alloy", "format": "wav"}),
@@ -812,11 +875,52 @@ def test_overload_is_served_or_refused_with_503(bounded_server: RemoteServer) ->
     srv.wait_idle()
 
 
+BURST_REQUESTS, BURST_HEALTH_P99_S = 500, 0.5
+
+
+def test_health_stays_fast_under_a_burst(server: RemoteServer) -> None:
+    """500 requests at once over the completion and chat routes (some streamed): /health, polled
+    throughout, answers within half a second at the 99th percentile (it once took 2.47 s)."""
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=BURST_REQUESTS)
+        headers = server.headers()
+        async with httpx.AsyncClient(
+            base_url=server.base_url, limits=limits, timeout=180, headers=headers
+        ) as client:
+            requests = []
+            for i in range(BURST_REQUESTS):
+                if i % 2:
+                    body = {
+                        "messages": [{"role": "user", "content": f"Tell me about {i}."}],
+                        "stream": i % 4 == 1,
+                    }
+                    requests.append(client.post(CH, json={**body, "max_tokens": 2}))
+                else:
+                    requests.append(client.post(C, json={"prompt": f"Number {i}:", "max_tokens": 2}))
+            return await asyncio.wait_for(asyncio.gather(*requests), timeout=300)
+
+    with HealthPoller(server) as health:
+        time.sleep(0.3)
+        responses = asyncio.run(burst())
+    latencies = sorted(health.latencies)
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    print(f"\nburst: /health polled {len(latencies)} times, p99 {p99:.3f} s, slowest {latencies[-1]:.3f} s")
+    assert Counter(r.status_code for r in responses) == Counter({200: BURST_REQUESTS})
+    assert not health.failures and set(health.statuses) == {200}, health.statuses
+    assert len(latencies) >= 20 and p99 <= BURST_HEALTH_P99_S, latencies[-10:]
+    server.wait_idle()
+
+
 # ================================================================================================
 # 5. Starvation
 # ================================================================================================
 
-GAP_LIMIT_S = 1.0
+# A stream is starved when one of its gaps is seconds long while its other tokens keep coming: the
+# defects this part guards against (tokenizing a 1 MiB prompt or compiling a grammar on the event loop
+# or the step thread, searching stop strings per token) stalled it for several seconds. A busy
+# machine makes every step slower, so the bound grows with the stream's own median gap meanwhile.
+GAP_LIMIT_S, GAP_MEDIAN_FACTOR = 2.0, 8.0
 VICTIM_MAX_TOKENS = 900  # 20+ s of decoding: longer than any hostile request
 
 
@@ -859,14 +963,14 @@ class Victim:
         self._thread.join(30)
         assert not self._thread.is_alive()
 
-    def max_gap(self, start: float, end: float) -> float:
-        """The longest wait for a chunk between ``start`` and ``end`` (from the last chunk before
+    def gaps(self, start: float, end: float) -> list[float]:
+        """The waits for each chunk between ``start`` and ``end`` (from the last chunk before
         ``start`` to the first one after ``end``)."""
         times = self.arrivals
         assert times and times[-1] > end, "the stream ended before the hostile request did"
         first = max(i for i, t in enumerate(times) if t <= start) if times[0] <= start else 0
         last = min(i for i, t in enumerate(times) if t >= end)
-        return max(b - a for a, b in zip(times[first:last], times[first + 1 : last + 1], strict=True))
+        return [b - a for a, b in zip(times[first:last], times[first + 1 : last + 1], strict=True)]
 
 
 def _words(size: int) -> str:
@@ -952,11 +1056,15 @@ def test_hostile_request_does_not_starve_a_stream(server: RemoteServer, hostile:
         time.sleep(0.3)
     finally:
         victim.stop()
-    gap = victim.max_gap(started, ended)
-    print(f"\n{hostile}: {status} in {ended - started:.2f} s; the stream's longest gap {gap:.3f} s")
+    gaps = sorted(victim.gaps(started, ended))
+    gap, median = gaps[-1], gaps[len(gaps) // 2]
+    print(
+        f"\n{hostile}: {status} in {ended - started:.2f} s; the stream's longest gap {gap:.3f} s "
+        f"(median {median:.3f} s over {len(gaps)})"
+    )
     assert status in (200, 400), status
     assert victim.status == 200
-    assert gap < GAP_LIMIT_S, gap
+    assert gap < max(GAP_LIMIT_S, GAP_MEDIAN_FACTOR * median), (gap, median)
     server.wait_idle(timeout=30)
 
 

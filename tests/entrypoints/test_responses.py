@@ -483,6 +483,9 @@ REFUSALS: list[Any] = [
     pytest.param(
         {"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", id="json_schema-without-schema"
     ),
+    # One rule with /v1/completions' prompt: nothing to answer is a 400.
+    pytest.param({"input": ""}, "input", id="input-empty-text"),
+    pytest.param({"input": []}, "input", id="input-no-items"),
 ]
 
 

@@ -15,9 +15,17 @@ On SIGTERM (or a first Ctrl+C) the server drains: new requests and ``/health`` g
 in flight run to completion for up to ``--shutdown-timeout`` seconds; whatever is left is then
 aborted and the process exits with status 0. A second Ctrl+C exits at once.
 
-If the engine dies (an exception in a step), every request in flight gets an error at once, new
-requests and ``/health`` get 503 naming the cause, and a second later the process exits with
-status 1, so that a supervisor restarts it.
+If the engine dies (an exception in a step, a core process that exits, or a core silent for
+``--engine-liveness-timeout`` seconds), every request in flight gets an error at once, new requests
+and ``/health`` get 503 naming the cause, and a second later the process exits with status 1, so
+that a supervisor restarts it. A core that has only missed its heartbeats for 2 s (stopped, hung,
+or starved of CPU; half the liveness timeout if that is shorter) already makes ``/health`` say 503
+(code ``engine_unresponsive``), until it is heard from again or taken for dead.
+
+Slow clients: a request's head must arrive within ``--request-read-timeout`` seconds (of the
+connection's opening, or of its first byte on a kept-alive connection) and its body within as long
+again, else the connection is answered 408 and closed (see :mod:`.http_timeouts`); an idle kept-alive
+connection is closed after ``--timeout-keep-alive`` seconds.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_mp_engine import AsyncMPEngine
 from pagedllm.engine.metrics import CONTENT_TYPE, EngineMetrics
 from pagedllm.entrypoints.openai.cli_args import (
     API_KEY_ENV,
@@ -49,6 +58,7 @@ from pagedllm.entrypoints.openai.cli_args import (
 )
 from pagedllm.entrypoints.openai.dashboard import router as dashboard_router
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.http_timeouts import timed_h11_protocol
 from pagedllm.entrypoints.openai.middleware import (
     GENERATION_ERRORS,
     HEALTH_ERRORS,
@@ -192,6 +202,13 @@ async def health(raw_request: Request) -> Response:
         return shutting_down().to_response()
     if not serving.engine.is_running:
         return _dead(serving.engine).to_response()
+    if isinstance(serving.engine, AsyncMPEngine):
+        unresponsive = serving.engine.unresponsive_message()
+        if unresponsive is not None:
+            error = OpenAIError(
+                unresponsive, status_code=503, type="server_error", code="engine_unresponsive"
+            )
+            return error.to_response()
     return Response(status_code=200)
 
 
@@ -409,7 +426,9 @@ def serve_engine(
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=5,
+        timeout_keep_alive=args.timeout_keep_alive,
+        # h11 with read deadlines for each request's head and body (whatever uvicorn would pick).
+        http=timed_h11_protocol(settings.request_read_timeout),
     )
     server = GracefulServer(uv_config, state, engine, args.shutdown_timeout)
     logger.info(

@@ -8,9 +8,11 @@ import os
 from dataclasses import dataclass, field
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.core_liveness import DEFAULT_LIVENESS_TIMEOUT_S, MIN_LIVENESS_TIMEOUT_S
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_CHAT_TEMPLATE_TIMEOUT,
     DEFAULT_MAX_BAD_WORDS,
+    DEFAULT_MAX_EMBEDDING_INPUTS,
     DEFAULT_MAX_LOGIT_BIAS,
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
@@ -23,6 +25,10 @@ API_KEY_ENV = "PAGEDLLM_API_KEY"
 # The reasoning parsers' names (listed here so that ``--help`` does not import them).
 REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# A request head, then its body (up to 16 MiB: about 4.5 Mbit/s), must come within this many seconds.
+DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
+# Idle seconds before a kept-alive connection is closed (uvicorn's default).
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
 
 
 @dataclass
@@ -32,6 +38,8 @@ class ServerSettings:
     served_model_names: list[str]
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Seconds a request's body may take to arrive after its head (408 after that).
+    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S
     shutdown_timeout: float = 30.0
     max_logprobs: int = 20
     # With an API key, /metrics needs it too unless this is set (for Prometheus scrapers).
@@ -113,6 +121,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Refuse larger request bodies with 413 (default 16 MiB).",
     )
     parser.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+        help="Seconds a request's head may take to arrive (from the connection's opening, or the head's "
+        "first byte), and its body after it; slower requests get 408 and their connection is closed "
+        f"(default {DEFAULT_REQUEST_READ_TIMEOUT_S:g}).",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+        help="Seconds an idle kept-alive connection stays open between requests "
+        f"(default {DEFAULT_TIMEOUT_KEEP_ALIVE_S}).",
+    )
+    parser.add_argument(
+        "--engine-liveness-timeout",
+        type=float,
+        default=None,
+        help="Seconds of silence (no heartbeat; cores send one every 0.2 s) after which an engine core is "
+        "taken for dead: its requests fail, a core of this machine is killed, and with no core left the "
+        "server exits 1. /health says 503 after 2 s of silence already (half the timeout if that is "
+        f"shorter) (default {DEFAULT_LIVENESS_TIMEOUT_S:g}; at least {MIN_LIVENESS_TIMEOUT_S:g}).",
+    )
+    parser.add_argument(
         "--max-prompt-bytes",
         type=int,
         default=None,
@@ -149,6 +181,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_BAD_WORDS,
         help=f"Most bad_words per request (default {DEFAULT_MAX_BAD_WORDS}).",
+    )
+    parser.add_argument(
+        "--max-embedding-inputs",
+        type=int,
+        default=DEFAULT_MAX_EMBEDDING_INPUTS,
+        help="Most entries of an embeddings request's input; more are refused with 400 naming input "
+        f"(default {DEFAULT_MAX_EMBEDDING_INPUTS}, OpenAI's limit).",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -258,6 +297,15 @@ def check_args(args: argparse.Namespace) -> str | None:
         return problem
     if not args.chat_template_timeout > 0:
         return f"--chat-template-timeout must be positive, got {args.chat_template_timeout}."
+    if not args.request_read_timeout > 0:
+        return f"--request-read-timeout must be positive, got {args.request_read_timeout}."
+    if args.timeout_keep_alive < 1:
+        return f"--timeout-keep-alive must be at least 1, got {args.timeout_keep_alive}."
+    liveness = args.engine_liveness_timeout
+    if liveness is not None and not liveness >= MIN_LIVENESS_TIMEOUT_S:
+        return f"--engine-liveness-timeout must be at least {MIN_LIVENESS_TIMEOUT_S:g} s, got {liveness}."
+    if liveness is not None and (not args.multiprocess or args.headless):
+        return "--engine-liveness-timeout applies to a front-end watching engine-core processes, not with --no-multiprocess or --headless."
     for name in (
         "max_request_body_bytes",
         "max_prompt_bytes",
@@ -266,6 +314,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         "max_logit_bias",
         "max_allowed_token_ids",
         "max_bad_words",
+        "max_embedding_inputs",
     ):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -314,6 +363,7 @@ def settings_from_args(args: argparse.Namespace, served_model_name: str, max_log
         served_model_names=[served_model_name],
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
+        request_read_timeout=args.request_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
         max_logprobs=max_logprobs,
         metrics_without_auth=args.metrics_without_auth,
@@ -331,6 +381,7 @@ def settings_from_args(args: argparse.Namespace, served_model_name: str, max_log
             max_allowed_token_ids=args.max_allowed_token_ids,
             max_bad_words=args.max_bad_words,
             chat_template_timeout=args.chat_template_timeout,
+            max_embedding_inputs=args.max_embedding_inputs,
         ),
     )
 

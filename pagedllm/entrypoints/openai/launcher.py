@@ -15,6 +15,7 @@ front-end at ``--data-parallel-address:--data-parallel-rpc-port``, and waits for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -22,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 from types import FrameType
@@ -29,6 +31,7 @@ from types import FrameType
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.core_launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
+from pagedllm.engine.core_liveness import DEFAULT_LIVENESS_TIMEOUT_S
 from pagedllm.engine.core_process import CoreOptions
 from pagedllm.engine.metrics import MULTIPROC_ENV, EngineMetrics
 from pagedllm.entrypoints.openai.api_server import add_cli_args, serve_engine
@@ -63,8 +66,21 @@ def run(args: argparse.Namespace) -> int:
     if args.headless:
         return run_headless(args, config)
     if args.multiprocess:
-        return run_multiprocess(args, config)
+        return _exit_at_once_on_failure(run_multiprocess(args, config))
     return run_in_process(args, config)
+
+
+def _exit_at_once_on_failure(status: int) -> int:
+    """``status``, returned when 0; otherwise the process ends now, without the interpreter's teardown
+    (whose native destructors, torch's among them, take seconds): the server has stopped and every
+    process it started is reaped, and a supervisor should restart it without waiting for that."""
+    if status == 0:
+        return status
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def run_in_process(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -140,6 +156,7 @@ def run_frontend(
         pid_exit=cores.exitcode if cores is not None else None,
         routing=args.data_parallel_routing,
         owns_cores=owns_cores,
+        liveness_timeout=args.engine_liveness_timeout or DEFAULT_LIVENESS_TIMEOUT_S,
     )
     try:
         tokenizer = with_chat_template(
@@ -196,11 +213,10 @@ def _frontend_main(
     sock: socket.socket,
 ) -> None:
     """The target of a front-end process (``--api-server-count`` > 1)."""
-    import sys
-
     die_with_parent()
     configure_logging(args.log_level)
-    sys.exit(run_frontend(args, config, index, addresses, pids, sock=sock, owns_cores=False))
+    status = run_frontend(args, config, index, addresses, pids, sock=sock, owns_cores=False)
+    sys.exit(_exit_at_once_on_failure(status))
 
 
 def _run_frontends(

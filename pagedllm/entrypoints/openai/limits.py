@@ -23,6 +23,7 @@ DEFAULT_MAX_STOP_STRING_CHARS = 1024
 DEFAULT_MAX_LOGIT_BIAS = 1024
 DEFAULT_MAX_BAD_WORDS = 64
 DEFAULT_CHAT_TEMPLATE_TIMEOUT = 5.0
+DEFAULT_MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
@@ -39,6 +40,7 @@ class RequestLimits:
     max_bad_words: int = DEFAULT_MAX_BAD_WORDS
     max_n: int | None = None  # default: the engine's max_num_seqs (None: unbounded)
     chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT
+    max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS  # entries of an embeddings ``input``
 
     def resolve(self, *, max_model_len: int, vocab_size: int, max_num_seqs: int | None) -> RequestLimits:
         return dataclasses.replace(

@@ -1,8 +1,10 @@
-"""The HTTP layer around the routes: draining, the body-size limit and the API key (one ASGI
-middleware), OpenAI error objects for every error, and an OpenAPI document that says so."""
+"""The HTTP layer around the routes: draining, the body-size limit, the body's read deadline and
+the API key (one ASGI middleware), OpenAI error objects for every error, and an OpenAPI document
+that says so."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm.entrypoints.openai.cli_args import ServerSettings
 from pagedllm.entrypoints.openai.dashboard_auth import LOGIN_PATH, PAGE_PATH, dashboard_authorized, login_page
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.http_timeouts import request_timeout
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.entrypoints.openai.serving_engine import error_from_exception
 
@@ -39,8 +42,10 @@ def shutting_down() -> OpenAIError:
 
 
 class GuardMiddleware:
-    """Refuses requests while draining, enforces the body size limit and the API key (on every path
-    but ``/health``, and ``/metrics`` with ``metrics_without_auth``), and counts the requests in flight.
+    """Refuses requests while draining, enforces the body size limit, the body's read deadline (the
+    whole body within ``request_read_timeout`` seconds, else 408 and the connection closed) and the
+    API key (on every path but ``/health``, and ``/metrics`` with ``metrics_without_auth``), and
+    counts the requests in flight.
     On the dashboard's routes the key may also come as the dashboard's cookie (see
     :mod:`~pagedllm.entrypoints.openai.dashboard_auth`); the page answers a browser without it with
     a login form (status 401)."""
@@ -94,10 +99,22 @@ class GuardMiddleware:
                 return
 
         received = 0
+        # The whole body must be in within the read timeout of the head (the request's start here).
+        loop = asyncio.get_running_loop()
+        read_timeout = self.settings.request_read_timeout
+        deadline: float | None = loop.time() + read_timeout
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline
+            if deadline is None:  # the body is in: wait for a disconnection as long as it takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                timeout = request_timeout("request body", read_timeout)
+                raise StarletteHTTPException(408, detail=timeout.message, headers=timeout.headers) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                deadline = None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
@@ -164,7 +181,12 @@ async def _request_validation_error(request: Request, exc: Exception) -> Respons
 
 async def _http_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    code = {
+        404: "not_found",
+        405: "method_not_allowed",
+        408: "request_timeout",
+        413: "request_too_large",
+    }.get(exc.status_code)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     # Starlette's headers (the Allow header of a 405) are kept.
     return OpenAIError(
@@ -191,6 +213,7 @@ _ERROR_REF = "#/components/schemas/ErrorResponse"
 _GUARD_ERRORS = {
     "401": "A missing or wrong API key (with --api-key: every route but /health, and /metrics unless "
     "--metrics-without-auth).",
+    "408": "The request body did not arrive within --request-read-timeout (code request_timeout).",
     "413": "The request body is larger than --max-request-body-bytes.",
     "503": "The server is shutting down (code shutting_down).",
 }
@@ -202,7 +225,10 @@ GENERATION_ERRORS = {
     503: "The queue of waiting sequences is full (queue_full), the engine has stopped (engine_dead) or "
     "the server is shutting down (shutting_down).",
 }
-HEALTH_ERRORS = {503: "The engine has stopped (engine_dead) or the server is shutting down (shutting_down)."}
+HEALTH_ERRORS = {
+    503: "The engine has stopped (engine_dead), a core has missed its heartbeats for 2 s "
+    "(engine_unresponsive) or the server is shutting down (shutting_down)."
+}
 
 
 def route_responses(
@@ -250,7 +276,7 @@ def _openapi_with_openai_errors(generate: Callable[[], dict[str, Any]]) -> Calla
                 for status, description in _GUARD_ERRORS.items():
                     if (
                         (status == "401" and path == "/health")
-                        or (status == "413" and "requestBody" not in operation)
+                        or (status in ("408", "413") and "requestBody" not in operation)
                         or (status == "503" and path == "/metrics")
                     ):
                         continue

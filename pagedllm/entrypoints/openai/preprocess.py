@@ -120,11 +120,16 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content = msg.content
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
+            for j, part in enumerate(content):
+                if part.type != "text":
                     raise OpenAIError(
                         f"Only text content parts are supported, got type {part.type!r}.",
                         param=f"messages[{i}].content",
+                    )
+                if part.text is None:
+                    raise OpenAIError(
+                        f"messages[{i}].content[{j}].text is missing: a text content part needs its text.",
+                        param=f"messages[{i}].content[{j}].text",
                     )
                 texts.append(part.text)
             content = "\n".join(texts)

@@ -111,9 +111,27 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+# A function's or a JSON schema's name, as OpenAI allows them.
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.:-]+$"
+
+
+class JsonSchemaSpec(OpenAIBaseModel):
+    """A named JSON schema that the reply must follow: chat's ``response_format.json_schema`` and (with
+    its ``type`` beside these fields) the Responses API's ``text.format``. The one validation model of
+    a schema constraint on every route: ``schema`` must be a JSON object, so that nothing the grammar
+    compiler or the engine-core process cannot take gets past the front-end."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    name: Text = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaSpec | None = None
 
 
 class StructuredOutputs(BaseModel):
@@ -189,7 +207,7 @@ class TextContentPart(OpenAIBaseModel):
 class FunctionDefinition(OpenAIBaseModel):
     """A declared function: ``parameters`` is its arguments' JSON schema (an object schema)."""
 
-    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: Text = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
 from pagedllm.entrypoints.openai.protocol import (
+    FUNCTION_NAME_PATTERN,
     INT64_MAX,
     INT64_MIN,
     MIN_REPETITION_PENALTY,
+    JsonSchemaSpec,
     Number,
     OpenAIBaseModel,
     Text,
@@ -32,7 +34,6 @@ from pagedllm.sampling_params import MAX_TEMPERATURE
 # The input item types served, and the content part types of a message.
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PART_TYPES = ("input_text", "output_text")
-FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.:-]+$"
 
 
 # ---------------------------------------------------------------------------------------------- input
@@ -146,16 +147,11 @@ class TextFormatJsonObject(OpenAIBaseModel):
     type: Literal["json_object"]
 
 
-class TextFormatJsonSchema(OpenAIBaseModel):
+class TextFormatJsonSchema(JsonSchemaSpec):
     """The reply is JSON valid under ``schema`` (enforced by a grammar, whatever ``strict`` says)."""
 
-    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
-
     type: Literal["json_schema"]
-    name: Text = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
-    json_schema: dict[str, Any] = Field(alias="schema")
-    description: str | None = None
-    strict: bool | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # required here
 
 
 TextFormat = Annotated[
@@ -260,6 +256,8 @@ class ResponsesRequest(OpenAIBaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def check_input_types(cls, value: Any) -> Any:
+        if value == "" or value == []:  # as an empty prompt on /v1/completions
+            raise ValueError("input must not be empty: send the text (or items) to answer")
         return _supported_items(value)
 
     @field_validator("tools", mode="before")

@@ -2,16 +2,24 @@
 
 Served by an engine whose task is ``embed`` (``--task embed``, the default for encoder models); a
 generate server answers 400 saying so, as an embed server does for the generation endpoints
-(:func:`wrong_task_error`). Every input is checked (empty, token ids outside the vocabulary, longer than
-the context, ``dimensions`` the model cannot give, fields this server does not implement) before any
-reaches the engine; each becomes one pooling request, all submitted together so that the engine
-batches them, and all aborted if one fails or the client goes away.
+(:func:`wrong_task_error`). Every input is checked (at most ``--max-embedding-inputs`` of them, empty,
+token ids outside the vocabulary, longer than the context, ``dimensions`` the model cannot give, fields
+this server does not implement) before any reaches the engine; each becomes one pooling request, and
+all are aborted if one fails or the client goes away.
+
+Fair share: a request's inputs reach the engine through a window (:class:`EncodeWindow`) of about two
+engine steps' worth, topped up as they finish, never all at once. The engine keeps busy (one step's
+worth runs while the next waits), and a request arriving meanwhile queues behind at most that window
+of each large request instead of behind all of its inputs, so it is served within a few steps. An
+input's embedding does not depend on what else is in its step, so the results are those of computing
+each input alone, in the order of ``input``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_mp_engine import AsyncMPEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.protocol_embedding import (
@@ -36,8 +45,36 @@ from pagedllm.entrypoints.openai.streaming import run_until_disconnected
 from pagedllm.outputs import EmbeddingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 
-# The most inputs one request may hold (OpenAI's limit).
-MAX_EMBEDDING_INPUTS = 2048
+# Engine steps' worth of one request's inputs that the engine holds at once (see EncodeWindow).
+WINDOW_STEPS = 2
+
+
+@dataclass(frozen=True)
+class EncodeWindow:
+    """The most of one request's inputs in the engine at once (submitted and not finished): at most
+    ``max_inputs`` of them and ``max_tokens`` tokens, but always at least one input."""
+
+    max_inputs: int
+    max_tokens: int
+
+    @classmethod
+    def for_engine(cls, engine: AsyncLLMEngine) -> EncodeWindow:
+        """``WINDOW_STEPS`` steps of the engine's budgets (``max_num_seqs`` prompts,
+        ``max_num_batched_tokens`` tokens), for each engine core that serves it."""
+        sync = engine.engine
+        cores = len(engine.client.ranks) if isinstance(engine, AsyncMPEngine) else 1
+        seqs = int(getattr(getattr(sync, "config", None), "max_num_seqs", 0)) or 256
+        scheduler = getattr(sync, "scheduler", None)  # an engine in this process; else the cores' report
+        tokens = scheduler.config.max_num_batched_tokens if scheduler is not None else 0
+        tokens = tokens or int(getattr(sync, "max_num_batched_tokens", 0)) or int(sync.max_model_len)
+        return cls(WINDOW_STEPS * cores * seqs, WINDOW_STEPS * cores * tokens)
+
+    def admits(self, num_inputs: int, num_tokens: int, prompt_len: int) -> bool:
+        """Whether one more input of ``prompt_len`` tokens fits beside ``num_inputs`` inputs of
+        ``num_tokens`` tokens in the engine."""
+        if num_inputs == 0:
+            return True
+        return num_inputs < self.max_inputs and num_tokens + prompt_len <= self.max_tokens
 
 
 def engine_task(engine: AsyncLLMEngine) -> str:
@@ -75,18 +112,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         base_id = random_id("embd")
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
 
-        async def run() -> list[EmbeddingRequestOutput]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        self.engine.encode(rid, ids, params)
-                        for rid, ids in zip(request_ids, prompts, strict=True)
-                    )
-                )
-            )
-
         try:
-            completed, outputs = await run_until_disconnected(raw_request, run())
+            completed, outputs = await run_until_disconnected(
+                raw_request, self._encode_all(request_ids, prompts, params)
+            )
         except Exception as exc:
             raise error_from_exception(exc, {"prompt": "input"}) from None
         finally:
@@ -94,6 +123,45 @@ class OpenAIServingEmbedding(OpenAIServing):
         if not completed or outputs is None:
             return Response(status_code=499)
         return JSONResponse(self._response(request, prompts, outputs))
+
+    async def _encode_all(
+        self, request_ids: list[str], prompts: list[list[int]], params: PoolingParams
+    ) -> list[EmbeddingRequestOutput]:
+        """The embeddings of ``prompts``, in their order, with at most a window of them in the engine
+        at once (submitted in order as earlier ones finish). The first failure is raised; the inputs
+        still in the engine are then aborted by the caller."""
+        window = EncodeWindow.for_engine(self.engine)
+        results: list[EmbeddingRequestOutput | None] = [None] * len(prompts)
+        running: dict[asyncio.Task[EmbeddingRequestOutput], int] = {}
+        num_tokens = 0
+        next_input = 0
+        try:
+            while next_input < len(prompts) or running:
+                while next_input < len(prompts) and window.admits(
+                    len(running), num_tokens, len(prompts[next_input])
+                ):
+                    ids = prompts[next_input]
+                    task = asyncio.create_task(self.engine.encode(request_ids[next_input], ids, params))
+                    running[task] = next_input
+                    num_tokens += len(ids)
+                    next_input += 1
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                failure: BaseException | None = None
+                for finished in done:
+                    i = running.pop(finished)
+                    num_tokens -= len(prompts[i])
+                    error = finished.exception()  # retrieved for every task, so none goes unreported
+                    if error is None:
+                        results[i] = finished.result()
+                    elif failure is None:
+                        failure = error
+                if failure is not None:
+                    raise failure
+        finally:
+            for task in running:
+                task.cancel()  # its encode() aborts its request
+        assert all(r is not None for r in results), "an input has no embedding"
+        return [r for r in results if r is not None]
 
     def _pooling_params(self, request: EmbeddingRequest) -> PoolingParams:
         """The request's pooling parameters; a ``dimensions`` the model cannot give is a 400 naming it."""
@@ -109,9 +177,11 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def _prompts(self, request: EmbeddingRequest) -> list[list[int]]:
         """Every input as token ids (texts tokenized on the tokenizer thread), each checked."""
         items = self.prompt_items(request.input, "input")
-        if len(items) > MAX_EMBEDDING_INPUTS:
+        most = self.limits.max_embedding_inputs
+        if len(items) > most:
             raise OpenAIError(
-                f"input must have at most {MAX_EMBEDDING_INPUTS} entries, got {len(items)}.", param="input"
+                f"input must have at most {most} entries (--max-embedding-inputs), got {len(items)}.",
+                param="input",
             )
         if any(len(item) == 0 for item in items):
             raise OpenAIError("input must not contain empty strings or empty token lists.", param="input")

@@ -383,6 +383,17 @@ class OpenAIServing:
     @staticmethod
     def _structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
         so = request.structured_outputs
+        fmt = request.response_format
+        if so is not None and fmt is not None and fmt.type != "text":
+            raise OpenAIError(
+                "response_format and structured_outputs cannot both constrain the reply; send one.",
+                param="response_format",
+            )
+        if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+            raise OpenAIError(
+                f"response_format.json_schema is only taken with type json_schema (got type {fmt.type!r}).",
+                param="response_format",
+            )
         if so is not None:
             return StructuredOutputsParams(
                 json=so.json_schema,
@@ -391,15 +402,16 @@ class OpenAIServing:
                 grammar=so.grammar,
                 json_object=so.json_object,
             )
-        fmt = request.response_format
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
-        schema = (fmt.json_schema or {}).get("schema")
-        if schema is None:
-            raise ValueError("response_format: json_schema.schema is required for type json_schema")
-        return StructuredOutputsParams(json=schema)
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise OpenAIError(
+                "response_format: json_schema.schema is required for type json_schema",
+                param="response_format",
+            )
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
     # ------------------------------------------------------------------ logprobs
 

@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatToolCall,
     FunctionCallModel,
     FunctionDefinition,
+    JsonSchemaSpec,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
@@ -277,10 +278,10 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
     if fmt is None:
         return None
     if isinstance(fmt, TextFormatJsonSchema):
-        schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.json_schema}
-        if fmt.strict is not None:
-            schema["strict"] = fmt.strict
-        return ResponseFormat(type="json_schema", json_schema=schema)
+        spec = JsonSchemaSpec(
+            name=fmt.name, schema=fmt.json_schema, description=fmt.description, strict=fmt.strict
+        )
+        return ResponseFormat(type="json_schema", json_schema=spec)
     return ResponseFormat(type=fmt.type)
 
 
