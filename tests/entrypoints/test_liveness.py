@@ -18,7 +18,6 @@ no process of any tree outlives its test.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import signal
@@ -34,9 +33,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.processes import alive, describe, wait_gone
-from helpers.server import SMALL_ENGINE_ARGS, RemoteServer
+from helpers.server import SMALL_ENGINE_ARGS, RemoteServer, assert_serve_flags
 from pagedllm.engine.core_liveness import unresponsive_after
-from pagedllm.entrypoints.openai.cli_args import add_cli_args, check_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -364,10 +362,4 @@ def test_stopped_core_among_living_fails_its_requests_only() -> None:
     ],
 )
 def test_liveness_timeout_flag(flags: list[str], problem: str | None) -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_args(parser)
-    found = check_args(parser.parse_args(flags))
-    if problem is None:
-        assert found is None
-    else:
-        assert found is not None and found.startswith(problem), found
+    assert_serve_flags(flags, problem)

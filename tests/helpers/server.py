@@ -33,6 +33,22 @@ TOOL_SERVER_ARGS = [
 ]
 
 
+def assert_serve_flags(flags: list[str], problem: str | None) -> None:
+    """``pagedllm serve``'s argument check passes ``flags`` (``problem`` None) or refuses them with a
+    message starting with ``problem``."""
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import add_cli_args, check_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    found = check_args(parser.parse_args(flags))
+    if problem is None:
+        assert found is None, found
+    else:
+        assert found is not None and found.startswith(problem), found
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
