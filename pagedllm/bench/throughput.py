@@ -143,7 +143,7 @@ class EngineRun:
             "prefix_cache_queries": int(queries),
             "prefix_cache_hits": int(self.stats_delta["prefix_cache_hits"]),
             "prefix_cache_hit_rate": self.stats_delta["prefix_cache_hits"] / queries if queries else 0.0,
-            "prompt_tokens_computed": int(self.stats_delta["prompt_tokens"]),
+            "prompt_tokens_computed": int(self.stats_delta["prompt_tokens_computed"]),
             "kv_cache": self.kv_waste,
             "engine_config": self.config,
         }
@@ -220,7 +220,7 @@ def run_engine(
         raise
     elapsed = time.perf_counter() - start
     after = dataclasses.asdict(engine.get_stats())
-    counters = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens")
+    counters = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed")
     delta = {k: float(after[k] - before[k]) for k in counters}
     config = dataclasses.asdict(engine.config)
     config.update(

@@ -142,10 +142,10 @@ def test_ranks_idle_longer_than_the_timeout_still_serve(tiny_model: Callable[[st
     path = tiny_model("llama")
     # The timeout also bounds the start-up collectives (ranks loading their shards at different
     # speeds on a loaded machine), so it is not made smaller than this.
-    llm = LLM(path, tensor_parallel_size=2, distributed_timeout_s=6.0, **ARGS)
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout_s=10.0, **ARGS)
     try:
         first = generate(llm)
-        time.sleep(8.0)
+        time.sleep(12.0)
         assert len(procs.ranks()) == 1, "a rank exited while the engine was idle"
         assert generate(llm) == first == reference(path)
     finally:
