@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -103,6 +103,23 @@ class VerifiedSamples:
 
 # What a launched step's sampled tokens are until they are asked for.
 StepSamples = DeviceSamples | DeferredSamples | VerifiedSamples
+
+# One request's prompt logprobs from one step: (first position, entries); entry j is for the prompt
+# token that position ``first + j`` predicts (prompt token ``first + j + 1``).
+PromptLogprobsChunk = tuple[int, list[dict[int, Logprob] | None]]
+
+
+@dataclass
+class RunnerOutput:
+    """What a launched step hands back to the engine (the runner writes no request state)."""
+
+    # Indices into ``scheduled_requests`` of the rows that get a token.
+    sample_rows: list[int]
+    # Their tokens, on the device until asked for; None when no row samples.
+    samples: StepSamples | None
+    # Prompt logprobs of the prompt positions this step computed that were not reported before,
+    # by request id (see PromptLogprobsChunk): the engine appends them to the request's.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -353,9 +370,7 @@ class ModelRunner:
         times.prepare += prepared - started
         hidden, logits = graphs.replay(bucket)
         times.forward += time.perf_counter() - prepared
-        sample_rows = [
-            i for i, scheduled in enumerate(scheduler_output.scheduled_requests) if scheduled.needs_sample
-        ]
+        sample_rows = scheduler_output.sample_rows
         if len(sample_rows) == n:
             logits_indices = graphs.query_start_loc[:n]  # 0 .. n-1: one row per request
             logits = logits[:n]
@@ -386,8 +401,11 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor
-    ) -> None:
-        """Append prompt logprobs for the prompt positions this step computed (once per position)."""
+    ) -> dict[str, PromptLogprobsChunk]:
+        """Prompt logprobs of the prompt positions this step computed, each position once: those a
+        request has already reported (``Request.prompt_logprobs``, kept by the engine; a prompt
+        computed again after preemption) are skipped."""
+        found: dict[str, PromptLogprobsChunk] = {}
         for row, scheduled in enumerate(scheduler_output.scheduled_requests):
             req = scheduled.request
             k = req.params.prompt_logprobs
@@ -400,15 +418,16 @@ class ModelRunner:
             if first >= last:
                 continue
             base = inputs.row_starts[row] - start
+            entries: list[dict[int, Logprob] | None] = []
             # In slices of positions, so a long prompt never holds full-vocabulary float rows for
             # every position at once.
             for lo in range(first, last, PROMPT_LOGPROBS_POSITIONS):
                 hi = min(lo + PROMPT_LOGPROBS_POSITIONS, last)
-                req.prompt_logprobs.extend(
-                    self._prompt_logprobs_slice(
-                        hidden, slice(base + lo, base + hi), req.prompt_token_ids[lo + 1 : hi + 1], k
-                    )
+                entries += self._prompt_logprobs_slice(
+                    hidden, slice(base + lo, base + hi), req.prompt_token_ids[lo + 1 : hi + 1], k
                 )
+            found[req.request_id] = (first, entries)
+        return found
 
     def _prompt_logprobs_slice(
         self, hidden: torch.Tensor, rows: slice, targets_list: list[int], k: int
@@ -538,11 +557,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch(
-        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None
-    ) -> tuple[list[int], StepSamples | None]:
-        """Run one step up to sampling without waiting for the device: returns (rows of
-        ``so.scheduled`` that get a token, their tokens still on the device; None when no row samples).
+    def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None) -> RunnerOutput:
+        """Run one step up to sampling without waiting for the device: the rows of
+        ``scheduled_requests`` that get a token, their tokens still on the device, and the step's
+        prompt logprobs (see :class:`RunnerOutput`).
 
         Rows whose last token is pending (see :class:`pagedllm.core.scheduler.Scheduler`) read it
         from the step launched before this one. Phase times are added to ``times`` when given.
@@ -550,10 +568,10 @@ class ModelRunner:
         assert self.kv_cache is not None, "KV cache not allocated"
         times = times if times is not None else StepPhaseTimes()
         inputs, hidden, logits = self._forward(scheduler_output, times)
-        self._prompt_logprobs(scheduler_output, inputs, hidden)
+        prompt_logprobs = self._prompt_logprobs(scheduler_output, inputs, hidden)
         if not inputs.sample_rows:
             self.previous_tokens = None
-            return [], None
+            return RunnerOutput([], None, prompt_logprobs)
         started = time.perf_counter()
         if logits is None:
             logits = self.logits_of(hidden, inputs.logits_indices)
@@ -564,10 +582,10 @@ class ModelRunner:
             self.previous_tokens = None  # speculative steps are not scheduled ahead
             verified = self._verify(scheduler_output, inputs.sample_rows, logits)
             times.sample += time.perf_counter() - sampling
-            return inputs.sample_rows, verified
+            return RunnerOutput(inputs.sample_rows, verified, prompt_logprobs)
         sampled = self.sample(scheduler_output, inputs.sample_rows, logits)
         rows = {scheduled[r].request.request_id: j for j, r in enumerate(inputs.sample_rows)}
         self.previous_tokens = PreviousTokens(rows, sampled.token_ids)
         sampled.copy_to_host()
         times.sample += time.perf_counter() - sampling
-        return inputs.sample_rows, sampled
+        return RunnerOutput(inputs.sample_rows, sampled, prompt_logprobs)
