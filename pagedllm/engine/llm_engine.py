@@ -34,8 +34,9 @@ from pagedllm.spec.proposer import NgramProposer, Proposer
 from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
 from pagedllm.worker.executor import Executor
-from pagedllm.worker.model_runner import ModelRunner, StepSamples
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import StepSamples
 
 if TYPE_CHECKING:
     from pagedllm.structured import StructuredOutputManager

@@ -30,8 +30,9 @@ from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
 from pagedllm.worker.cpu_memory import keep_freed_memory
-from pagedllm.worker.model_runner import RunnerOutput, resolve_device, resolve_dtype, to_device
+from pagedllm.worker.model_runner import resolve_device, resolve_dtype, to_device
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import RunnerOutput
 
 logger = logging.getLogger("pagedllm")
 

@@ -25,8 +25,9 @@ from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
 from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
-from pagedllm.worker.model_runner import ModelRunner, RunnerOutput, resolve_device, resolve_dtype
+from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import RunnerOutput
 from pagedllm.worker.swap import HostKVCache, forward_parameters, measure_costs
 
 logger = logging.getLogger("pagedllm")

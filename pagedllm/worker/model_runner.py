@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import PromptLogprobsChunk, RunnerOutput, VerifiedSamples
 from pagedllm.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
@@ -78,48 +78,6 @@ class PreviousTokens:
 
     rows: dict[str, int]
     token_ids: torch.Tensor
-
-
-class DeferredSamples:
-    """A step's sampling, run when its tokens are asked for (:meth:`output`): a pipelined step's
-    logits reach the driver only after later steps were launched."""
-
-    def __init__(self, sample: Callable[[], DeviceSamples]) -> None:
-        self._sample = sample
-
-    def output(self) -> SampledTokens:
-        return self._sample().output()
-
-
-class VerifiedSamples:
-    """A speculative step's tokens, verified on the host already."""
-
-    def __init__(self, tokens: SampledTokens) -> None:
-        self.tokens = tokens
-
-    def output(self) -> SampledTokens:
-        return self.tokens
-
-
-# What a launched step's sampled tokens are until they are asked for.
-StepSamples = DeviceSamples | DeferredSamples | VerifiedSamples
-
-# One request's prompt logprobs from one step: (first position, entries); entry j is for the prompt
-# token that position ``first + j`` predicts (prompt token ``first + j + 1``).
-PromptLogprobsChunk = tuple[int, list[dict[int, Logprob] | None]]
-
-
-@dataclass
-class RunnerOutput:
-    """What a launched step hands back to the engine (the runner writes no request state)."""
-
-    # Indices into ``scheduled_requests`` of the rows that get a token.
-    sample_rows: list[int]
-    # Their tokens, on the device until asked for; None when no row samples.
-    samples: StepSamples | None
-    # Prompt logprobs of the prompt positions this step computed that were not reported before,
-    # by request id (see PromptLogprobsChunk): the engine appends them to the request's.
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -176,12 +134,25 @@ class ModelRunner:
             keep_freed_memory()
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
-        self.cuda_graphs: CUDAGraphRunner | None = None
+        self._cuda_graphs: CUDAGraphRunner | None = None
         self.native_decode: NativeDecodeLayers | None = None
         self.previous_tokens: PreviousTokens | None = None
         # Rows for every request that can run at once (tables up to max_model_len), shared by the
         # eager path and the CUDA graphs.
         self.input_builder = StepInputBuilder(block_size, max_num_seqs, -(-max_model_len // block_size))
+
+    @property
+    def cuda_graphs(self) -> CUDAGraphRunner | None:
+        """The decode graphs, when captured. They stage their inputs with this runner's
+        :attr:`input_builder` (set on assignment): the eager path and the graphs read one set of
+        block tables, which every step's changes update once."""
+        return self._cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, graphs: CUDAGraphRunner | None) -> None:
+        if graphs is not None:
+            graphs.input_builder = self.input_builder
+        self._cuda_graphs = graphs
 
     def _place_model(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
         """The model this runner holds, given the whole model built on the meta device (a pipeline

@@ -50,8 +50,9 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.sample.sampler import DeviceSamples
-from pagedllm.worker.model_runner import BatchInputs, DeferredSamples, ModelRunner, RunnerOutput
+from pagedllm.worker.model_runner import BatchInputs, ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import DeferredSamples, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
