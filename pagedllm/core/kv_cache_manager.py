@@ -357,5 +357,7 @@ class KVCacheManager:
         bad = [b.block_id for b in self.pool.blocks if b.ref_cnt != 0]
         if bad or self.pool.num_free_blocks != self.pool.num_blocks:
             raise AssertionError(f"KV blocks still referenced while idle: {bad[:10]}")
+        if self._sent:
+            raise AssertionError(f"block tables of freed requests still tracked: {sorted(self._sent)[:10]}")
         if self.host is not None:
             self.host.check_idle()
