@@ -112,6 +112,40 @@ class Request:
     ``[0, num_computed_tokens)`` is in the blocks ``block_ids`` (logical block i -> physical block
     ``block_ids[i]``); ``len(block_hashes)`` full blocks of it are registered in the prefix cache,
     all of them over known token ids.
+
+    Who writes which field (``tests/test_layers.py`` checks that only ``core`` and ``engine`` write
+    any; every other room, the worker included, only reads). *Input*: the engine's
+    ``InputProcessor`` (or beam search) builds the request; *engine*: ``LLMEngine``'s step loop;
+    *outputs*: the engine's ``OutputProcessor``; *scheduler*: ``core`` (``Scheduler``,
+    ``KVCacheManager``, ``HostTier``, and ``core/draft_shadows.py`` for the draft model's shadow
+    requests, which are requests of their own).
+
+    ============================================  =====================================================
+    field                                         written by
+    ============================================  =====================================================
+    request_id, prompt_token_ids, params,         input, at construction only (the objects ``grammar``
+    max_tokens, eos_token_ids, arrival_time,      and ``generator`` change as tokens are accepted and
+    prompt, parent_id, index, bad_words_token_ids, sampled, the fields never)
+    grammar, prefill_leader, generator,
+    pooling_params
+    priority                                      engine (``add_request``), before scheduling
+    arrival_order, status, num_cached_tokens,     scheduler
+    num_preemptions, first_scheduled_time
+    num_computed_tokens                           scheduler (admission, preemption, each step); engine
+                                                  (takes rejected draft tokens back)
+    num_pending_tokens                            engine (a launched step's token, until resolved);
+                                                  scheduler (draft shadows)
+    spec_token_ids                                engine (the drafts a proposer returns)
+    block_ids, block_hashes, host_block_ids       scheduler (``KVCacheManager``, ``HostTier``); the
+                                                  worker learns its block tables from
+                                                  ``SchedulerOutput`` alone, never from these
+    output_token_ids (and the token list),        outputs (``append_output_token``); scheduler (draft
+                                                  shadows copy the target's tokens)
+    cumulative_logprob, logprobs, stop_reason,    outputs
+    first_token_time, last_token_time
+    prompt_logprobs                               outputs, from the prompt logprobs a step's
+                                                  ``RunnerOutput`` returns
+    ============================================  =====================================================
     """
 
     request_id: str
@@ -150,7 +184,8 @@ class Request:
     # For the n > 1 siblings after the first: wait until it has prefilled the shared prompt, then
     # reuse its full blocks through the prefix cache instead of prefilling again.
     prefill_leader: Request | None = field(default=None, repr=False)
-    # prompt_logprobs[i] is for prompt token i (None for the first token); filled during prefill.
+    # prompt_logprobs[i] is for prompt token i (None for the first token); filled during prefill
+    # (by the engine, from the model runner's step outputs).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -8,7 +8,24 @@ Layers, top to bottom (docs/ARCHITECTURE.md):
 A module may import its own package, any package below it, and packages beside it in the same layer as
 long as no cycle forms. The shared vocabulary (``config``, ``request``, ``sampling_params``,
 ``pooling_params``, ``outputs``, ``utils``) may be imported from anywhere and imports only itself.
-Every import counts, including those inside functions and under ``TYPE_CHECKING``.
+Every import counts, including those inside functions and under ``TYPE_CHECKING``. Between packages of
+one layer, only the arrows listed in ``SAME_LAYER_ARROWS`` (the ones there are) may exist, and no
+other pair both ways: a new one is a decision to write down there and in docs/ARCHITECTURE.md.
+
+No module imports another module's ``_private`` name (``KNOWN_PRIVATE_IMPORTS`` lists the ones that
+remain to be made public).
+
+Only ``core`` (scheduling: queues, blocks, request counts) and ``engine`` (the step loop, inputs and
+outputs) write ``Request`` attributes (``pagedllm/request.py`` says which room writes which field); every
+other room reads them. The check is a practical approximation, per module that imports from
+``pagedllm.request`` or ``pagedllm.core.scheduler`` (the ways to reach a request): an expression is
+taken for a request when it is a name annotated ``Request`` (or ``Request | None``), bound by
+``Request(...)`` or by ``x = <...>.request``, bound by a ``for`` over a name annotated as a collection
+of ``Request``, or named ``request``, ``req`` or ``shadow``; or an attribute ``.request`` or ``.shadow``
+of anything. A write is an assignment, augmented assignment or ``del`` of an attribute of
+such an expression (or of an item of it), a mutating call on such an attribute (``.append``,
+``.extend``, ...), a call of ``Request``'s own mutating methods, or ``setattr`` on it. Aliases (``ids =
+request.block_ids; ids.append(...)``) and requests reached through other names are not seen.
 """
 
 from __future__ import annotations
@@ -29,6 +46,54 @@ LAYERS: list[set[str]] = [
     {"kernels"},
 ]
 SHARED = {"config", "request", "sampling_params", "pooling_params", "outputs", "utils"}
+# The arrows between packages of one layer, pinned where they are: the worker reads the scheduler's
+# output and uses the process groups; speculative decoding samples as the sampler does; the top
+# layer's entry points.
+SAME_LAYER_ARROWS = {
+    ("__init__", "entrypoints"),
+    ("__main__", "entrypoints"),
+    ("bench", "__init__"),
+    ("bench", "entrypoints"),
+    ("entrypoints", "__init__"),
+    ("worker", "core"),
+    ("worker", "distributed"),
+    ("spec", "sample"),
+}
+# ``_private`` names still imported by other modules: (importing module, module.name). Only shrinks.
+KNOWN_PRIVATE_IMPORTS = {
+    ("pagedllm.bench.moe", "pagedllm.bench.throughput._pad_token_id"),
+    ("pagedllm.bench.prefix_routing", "pagedllm.bench.workloads._random_ids"),
+    ("pagedllm.bench.prefix_routing", "pagedllm.bench.workloads._token_pool"),
+    ("pagedllm.engine.async_mp_engine", "pagedllm.engine.async_engine._Abort"),
+    ("pagedllm.engine.async_mp_engine", "pagedllm.engine.async_engine._Add"),
+    ("pagedllm.engine.async_mp_engine", "pagedllm.engine.async_engine._Command"),
+    ("pagedllm.engine.mp_llm_engine", "pagedllm.engine.async_mp_engine._total"),
+}
+# Rooms that write ``Request`` attributes (besides ``pagedllm/request.py`` itself).
+REQUEST_WRITERS = {"core", "engine"}
+# Modules that import from these reach requests (the type, or a scheduler output's rows).
+REQUEST_SOURCES = {"pagedllm.request", "pagedllm.core.scheduler"}
+REQUEST_NAMES = {"request", "req", "shadow"}  # names taken for a request in such modules
+REQUEST_ATTRIBUTES = {"request", "shadow"}  # attributes holding one (ScheduledRequest, DraftState)
+MUTATING_METHODS = {
+    "append",
+    "extend",
+    "insert",
+    "pop",
+    "popleft",
+    "appendleft",
+    "remove",
+    "clear",
+    "sort",
+    "reverse",
+    "update",
+    "setdefault",
+    "add",
+    "discard",
+    "__setitem__",
+    "__delitem__",
+}
+REQUEST_METHODS = {"append_output_token"}  # Request's own methods that change it
 
 
 def _module_name(path: Path) -> str:
@@ -38,36 +103,48 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every ``pagedllm`` module ``path`` imports (relative imports resolved)."""
-    tree = ast.parse(path.read_text())
-    own = _module_name(path).split(".")
-    package = own if path.name == "__init__.py" else own[:-1]
-    found: set[str] = set()
-    for node in ast.walk(tree):
+def _import_nodes(module: str, source: str, is_package: bool) -> list[tuple[str, list[str]]]:
+    """``(imported module, names imported from it)`` of every import in ``source`` (relative ones
+    resolved; ``import x`` imports no names)."""
+    own = module.split(".")
+    package = own if is_package else own[:-1]
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
+                imported = ".".join(base + ([node.module] if node.module else []))
             else:
-                module = node.module or ""
-            names = [f"{module}.{alias.name}" for alias in node.names]
-            found.update(n for n in [module, *names] if n.startswith("pagedllm"))
+                imported = node.module or ""
+            found.append((imported, [alias.name for alias in node.names]))
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("pagedllm"))
+            found += [(alias.name, []) for alias in node.names]
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _imports_of(module: str, source: str, is_package: bool = False) -> set[str]:
+    """Every ``pagedllm`` module (or ``module.name``) the module imports."""
+    found: set[str] = set()
+    for imported, names in _import_nodes(module, source, is_package):
+        found.update(
+            n for n in [imported, *(f"{imported}.{name}" for name in names)] if n.startswith("pagedllm")
+        )
+    return found
+
+
+def _graph(sources: dict[str, tuple[str, bool]] | None = None) -> dict[str, set[str]]:
+    """Module -> the modules it imports; ``sources`` (module -> (source, is a package)) defaults to
+    the package's own modules."""
+    if sources is None:
+        sources = {_module_name(p): (p.read_text(), p.name == "__init__.py") for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
+    for name, (source, is_package) in sources.items():
         targets = set()
-        for imported in _imports(path):
+        for imported in _imports_of(name, source, is_package):
             # ``from pagedllm.x import y`` names either module ``pagedllm.x.y`` or an attribute of x.
-            while imported not in modules and "." in imported:
+            while imported not in sources and "." in imported:
                 imported = imported.rsplit(".", 1)[0]
-            if imported in modules and imported != name:
+            if imported in sources and imported != name:
                 targets.add(imported)
         graph[name] = targets
     return graph
@@ -161,3 +238,203 @@ def test_layer_checker_sees_upward_and_cyclic_imports() -> None:
 def test_module_size(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= 600, f"{path.relative_to(PACKAGE)} has {lines} lines (at most 600)"
+
+
+# -- the arrows within a layer --------------------------------------------------------------------
+def _same_layer_arrows(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """``(room, room)`` for every import between two packages of one layer."""
+    arrows = set()
+    for module, targets in graph.items():
+        room = _module_room(module)
+        for target in targets:
+            other = _module_room(target)
+            if "shared" not in (room, other) and room != other and _level(room) == _level(other):
+                arrows.add((room, other))
+    return arrows
+
+
+def test_arrows_within_a_layer_are_pinned() -> None:
+    new = _same_layer_arrows(_graph()) - SAME_LAYER_ARROWS
+    assert not new, f"imports between packages of one layer that are not in SAME_LAYER_ARROWS: {sorted(new)}"
+    # The package's __init__ exports the entry points, which import its version (modules, no cycle).
+    both_ways = {
+        (a, b)
+        for a, b in SAME_LAYER_ARROWS
+        if (b, a) in SAME_LAYER_ARROWS and {a, b} != {"__init__", "entrypoints"}
+    }
+    assert not both_ways, f"a pair of packages importing each other: {sorted(both_ways)}"
+
+
+# -- private names ----------------------------------------------------------------------------------
+def _private_imports(module: str, source: str, is_package: bool = False) -> set[tuple[str, str]]:
+    """``(module, imported.name)`` for every ``_private`` name (or module) ``module`` imports from
+    another ``pagedllm`` module (dunder names aside)."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.endswith("__")
+
+    found = set()
+    for imported, names in _import_nodes(module, source, is_package):
+        if not imported.startswith("pagedllm") or imported == module:
+            continue
+        dotted = [f"{imported}.{name}" for name in names if private(name)]
+        if any(private(part) for part in imported.split(".")):
+            dotted.append(imported)
+        found.update((module, d) for d in dotted)
+    return found
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    found: set[tuple[str, str]] = set()
+    for path in PACKAGE.rglob("*.py"):
+        found |= _private_imports(_module_name(path), path.read_text(), path.name == "__init__.py")
+    wrong = found - KNOWN_PRIVATE_IMPORTS
+    assert not wrong, "private names imported across modules:\n" + "\n".join(
+        f"{m} <- {n}" for m, n in sorted(wrong)
+    )
+
+
+# -- who writes Request -----------------------------------------------------------------------------
+def _is_request_annotation(node: ast.expr | None) -> bool:
+    """``Request``, ``Request | None``, ``Optional[Request]`` (also as strings)."""
+    if node is None:
+        return False
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return False
+    if isinstance(node, ast.Name):
+        return node.id == "Request"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _is_request_annotation(node.left) or _is_request_annotation(node.right)
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Optional":
+        return _is_request_annotation(node.slice)
+    return False
+
+
+def _is_request_collection(node: ast.expr | None) -> bool:
+    """``list[Request]``, ``Sequence[Request]``, ``deque[Request]`` and the like."""
+    return isinstance(node, ast.Subscript) and _is_request_annotation(node.slice)
+
+
+def _request_writes(module: str, source: str) -> list[str]:
+    """Writes of ``Request`` attributes in ``source`` (see the module docstring), as
+    ``module:line: expression``; none when the module does not import ``pagedllm.request.Request``."""
+    tree = ast.parse(source)
+    reaches_requests = any(
+        isinstance(node, ast.ImportFrom) and node.module in REQUEST_SOURCES for node in ast.walk(tree)
+    )
+    if not reaches_requests:
+        return []
+    names = set(REQUEST_NAMES)
+    collections: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg):
+            if _is_request_annotation(node.annotation):
+                names.add(node.arg)
+            elif _is_request_collection(node.annotation):
+                collections.add(node.arg)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if _is_request_annotation(node.annotation):
+                names.add(node.target.id)
+            elif _is_request_collection(node.annotation):
+                collections.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            value = node.value
+            built = (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id == "Request"
+            )
+            if built or (isinstance(value, ast.Attribute) and value.attr in REQUEST_ATTRIBUTES):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+            if isinstance(node.iter, ast.Name) and node.iter.id in collections:
+                names.add(node.target.id)
+
+    def is_request(node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in names
+        return isinstance(node, ast.Attribute) and node.attr in REQUEST_ATTRIBUTES
+
+    def written(target: ast.expr) -> bool:
+        while isinstance(target, ast.Subscript):
+            target = target.value
+        return isinstance(target, ast.Attribute) and is_request(target.value)
+
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in MUTATING_METHODS:
+                targets = [func.value]
+            elif isinstance(func, ast.Attribute) and func.attr in REQUEST_METHODS and is_request(func.value):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+            elif (
+                isinstance(func, ast.Name) and func.id == "setattr" and node.args and is_request(node.args[0])
+            ):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+        flat: list[ast.expr] = []
+        for target in targets:
+            flat += target.elts if isinstance(target, ast.Tuple) else [target]
+        found += [f"{module}:{node.lineno}: {ast.unparse(t)}" for t in flat if written(t)]
+    return found
+
+
+def test_only_core_and_engine_write_requests() -> None:
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        if _module_room(module) not in REQUEST_WRITERS and module != "pagedllm.request":
+            wrong += _request_writes(module, path.read_text())
+    assert not wrong, "Request attributes written outside core/ and engine/:\n" + "\n".join(sorted(wrong))
+
+
+def test_layer_checks_catch_each_kind_of_breach() -> None:
+    """Small synthetic sources: each check above flags its breach and lets the allowed form pass."""
+    header = "from pagedllm.request import Request\n"
+    through_output = "from pagedllm.core.scheduler import SchedulerOutput\n"
+    assert _request_writes(
+        "pagedllm.worker.x",
+        through_output + "def f(so):\n    for s in so.scheduled_requests:\n"
+        "        row = s.request\n        row.prompt_logprobs.extend([])\n",
+    )
+    breaches = {
+        "assignment": "def f(r: Request) -> None:\n    r.status = 1\n",
+        "augmented": "def f(req):\n    req.num_computed_tokens += 1\n",
+        "optional": "def f(r: 'Request | None') -> None:\n    r.block_ids[0] = 2\n",
+        "mutating call": "def f(request):\n    request.block_ids.append(3)\n",
+        "method": "def f(x: Request):\n    x.append_output_token(4)\n",
+        "constructed": "s = Request('a', [1], None, 1, [])\ns.priority = 2\n",
+        "attribute": "def f(step):\n    step.request.spec_token_ids = [1]\n",
+        "loop": "def f(rs: list[Request]):\n    for r in rs:\n        r.prompt_logprobs.extend([])\n",
+        "setattr": "def f(req):\n    setattr(req, 'status', 1)\n",
+        "delete": "def f(req):\n    del req.grammar\n",
+        "tuple": "def f(req):\n    req.a, b = 1, 2\n",
+    }
+    for kind, body in breaches.items():
+        assert _request_writes("pagedllm.worker.x", header + body), kind
+    reads = "def f(r: Request, other):\n    n = r.num_tokens\n    other.status = 1\n    r.params.n\n"
+    assert not _request_writes("pagedllm.worker.x", header + reads)
+    assert not _request_writes("pagedllm.worker.x", "def f(request):\n    request.state = 1\n")  # no Request
+    sources = {
+        "pagedllm.core.a": ("from pagedllm.worker.b import B\n", False),  # against the pinned direction
+        "pagedllm.worker.b": ("from pagedllm.core.c import C\nfrom pagedllm.core.a import _hidden\n", False),
+        "pagedllm.core.c": ("from . import a\nfrom .a import _own\n", False),
+    }
+    graph = _graph(sources)
+    assert _same_layer_arrows(graph) - SAME_LAYER_ARROWS == {("core", "worker")}
+    found = set().union(*(_private_imports(m, src, pkg) for m, (src, pkg) in sources.items()))
+    assert found == {
+        ("pagedllm.worker.b", "pagedllm.core.a._hidden"),
+        ("pagedllm.core.c", "pagedllm.core.a._own"),
+    }

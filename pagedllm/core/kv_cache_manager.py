@@ -3,6 +3,7 @@ every layer attends through a sliding window, the release of blocks that have le
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import RELEASED_BLOCK, BlockPool, KVBlock
@@ -31,6 +32,22 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, max_blocks: int |
 def hash_block(parent_hash: int, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
     """Chained block hash: a block is identified by its parent's hash, its tokens and extra keys."""
     return hash((parent_hash, token_ids, extra_keys))
+
+
+@dataclass
+class BlockTableChange:
+    """What the worker writes into one request's block table before a step (a field of
+    :class:`pagedllm.core.scheduler.SchedulerOutput`).
+
+    The table becomes its first ``start`` entries as the worker holds them, followed by
+    ``block_ids``; entries past that are dropped. ``start`` 0 rewrites the table (a request scheduled
+    for the first time, readmitted after preemption, or swapped back in). Applying the same change
+    twice gives the same table.
+    """
+
+    request_id: str
+    start: int  # entries the worker already holds and keeps (0: the table is rewritten)
+    block_ids: list[int]  # physical ids of logical blocks ``start, start + 1, ...``
 
 
 @dataclass
@@ -96,6 +113,11 @@ class KVCacheManager:
         self.host = HostTier(num_host_blocks, enable_caching) if num_host_blocks else None
         if self.host is not None and enable_caching:
             self.pool.on_evict = self.host.keep_evicted
+        # What the worker's block tables hold: request id -> entries of its ``block_ids`` sent in a
+        # BlockTableChange; and the requests whose tables the worker drops at its next step (their
+        # blocks were freed or swapped out since the worker last heard of them).
+        self._sent: dict[str, int] = {}
+        self._dropped: list[str] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -199,11 +221,42 @@ class KVCacheManager:
             ids.append(block.block_id)
         return ids
 
+    # -- the worker's block tables -------------------------------------------------------------
+    def table_changes(self, requests: Iterable[Request]) -> list[BlockTableChange]:
+        """The changes that bring the worker's tables of ``requests`` (scheduled for a step) up to
+        their ``block_ids``: the entries appended since the last change, or, for a table the worker
+        does not hold, the whole of it. Blocks released from a sliding window keep their old ids in
+        the worker's table (no change): attention never reads them."""
+        changes = []
+        for request in requests:
+            rid = request.request_id
+            ids = request.block_ids
+            sent = self._sent.get(rid)
+            if sent is None or sent > len(ids):
+                changes.append(BlockTableChange(rid, 0, list(ids)))
+            elif sent < len(ids):
+                changes.append(BlockTableChange(rid, sent, ids[sent:]))
+            self._sent[rid] = len(ids)
+        return changes
+
+    def take_dropped_tables(self) -> list[str]:
+        """Requests whose block tables the worker drops (each told once)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _drop_table(self, request: Request) -> None:
+        """The request holds no device blocks any more: the worker's table of it goes."""
+        if self._sent.pop(request.request_id, None) is not None:
+            self._dropped.append(request.request_id)
+
     # -- swapping ----------------------------------------------------------------------------
     def swap_out(self, request: Request) -> bool:
         """Move the request's KV to the host tier, freeing its device blocks (False, nothing
         changed: no host tier, or too few free host blocks)."""
-        return self.host is not None and self.host.swap_out(request, self.pool)
+        if self.host is None or not self.host.swap_out(request, self.pool):
+            return False
+        self._drop_table(request)
+        return True
 
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
         """Bring a swapped request's KV back to new device blocks and make room for
@@ -289,6 +342,7 @@ class KVCacheManager:
             self.host.free(request)
         request.block_ids = []
         request.block_hashes = []
+        self._drop_table(request)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block of both tiers; only possible while no block is referenced."""
@@ -303,5 +357,7 @@ class KVCacheManager:
         bad = [b.block_id for b in self.pool.blocks if b.ref_cnt != 0]
         if bad or self.pool.num_free_blocks != self.pool.num_blocks:
             raise AssertionError(f"KV blocks still referenced while idle: {bad[:10]}")
+        if self._sent:
+            raise AssertionError(f"block tables of freed requests still tracked: {sorted(self._sent)[:10]}")
         if self.host is not None:
             self.host.check_idle()

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, KVCacheManager
+from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, BlockTableChange, KVCacheManager
 from pagedllm.core.preemption import PreemptionCosts
 from pagedllm.core.step_budget import StepBudget, StepShape
 from pagedllm.request import Request, RequestStatus
@@ -48,10 +48,14 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledRequest:
+    """One row of a step: a request and the tokens it computes."""
+
+    # The request (the worker reads its tokens, sampling parameters and counts; it writes nothing).
     request: Request
     # Tokens to compute this step, starting at request.num_computed_tokens: known tokens, then the
     # draft tokens (speculative decoding), which the step verifies.
     num_tokens: int
+    # Draft tokens verified by this step (speculative decoding), after the known tokens.
     draft_token_ids: list[int] = field(default_factory=list)
     # True when this chunk reaches the end of the request's tokens (a new token is sampled).
     needs_sample: bool = field(init=False)
@@ -64,8 +68,19 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """What the scheduler hands the worker for one step: the contract between the two rooms.
+
+    The worker keeps a block table per request that holds device blocks and maintains it from
+    ``dropped_tables`` and ``block_table_changes`` alone, applied in that order before the step's
+    inputs are built (it never reads ``Request.block_ids``). Every table a scheduled request reads
+    is up to date after them; the tables of running requests left out of the step stay as they were.
+    """
+
+    # The step's rows, in batch order.
     scheduled_requests: list[ScheduledRequest] = field(default_factory=list)
+    # Tokens the step computes (the sum of the rows' num_tokens).
     num_batched_tokens: int = 0
+    # Requests preempted while this step was scheduled (by recompute or by swapping).
     preempted: list[Request] = field(default_factory=list)
     # Blocks entered in the prefix cache by this schedule, to be computed by its forward.
     newly_cached_blocks: list[int] = field(default_factory=list)
@@ -77,6 +92,16 @@ class SchedulerOutput:
     # (device block, host block) to the host tier, then (host block, device block) back.
     copies_out: list[tuple[int, int]] = field(default_factory=list)
     copies_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests whose block tables the worker drops, applied first: they finished, were aborted or
+    # preempted (recompute or swap out) since the worker's previous step. An id may come back in
+    # ``block_table_changes`` of the same step (readmitted, or a new request reusing the id).
+    dropped_tables: list[str] = field(default_factory=list)
+    # Block-table changes of the scheduled requests, applied after ``dropped_tables``: blocks
+    # appended since the previous step (new prompt chunks, a decode crossing a block boundary), or a
+    # whole table (first schedule, with any prefix-cache hits; readmission after preemption; swap
+    # in). Entries released from a sliding window keep their old ids (never read); rejected draft
+    # tokens (speculative decoding) keep their slots and change nothing.
+    block_table_changes: list[BlockTableChange] = field(default_factory=list)
     # What the step computes (its rows, tokens, attention pairs and prefill tokens), for the step-time
     # cost model.
     shape: StepShape = field(default_factory=StepShape)
@@ -85,6 +110,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled_requests
+
+    @property
+    def sample_rows(self) -> list[int]:
+        """Indices into ``scheduled_requests`` of the rows that sample a token."""
+        return [i for i, s in enumerate(self.scheduled_requests) if s.needs_sample]
 
 
 class Scheduler:
@@ -283,6 +313,8 @@ class Scheduler:
             budget += self._drop_drafts(out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.copies_out, out.copies_in = self.kv_cache_manager.take_copies()
+        if out.scheduled_requests:  # else the worker hears of them with the next step it runs
+            self.attach_tables(out, self.kv_cache_manager)
         return out
 
     def _schedule_running(
@@ -436,6 +468,13 @@ class Scheduler:
         # block ending in a pending token is registered by a later step, once its ids are known.
         known = min(request.num_computed_tokens + num_tokens, request.num_tokens)
         out.newly_cached_blocks += self.kv_cache_manager.cache_full_blocks(request, known)
+
+    @staticmethod
+    def attach_tables(out: SchedulerOutput, kv_cache_manager: KVCacheManager) -> None:
+        """Fill ``out``'s block-table fields from ``kv_cache_manager`` (whose blocks the step's
+        requests hold): the tables to drop, then the changes of the scheduled requests' tables."""
+        out.dropped_tables = kv_cache_manager.take_dropped_tables()
+        out.block_table_changes = kv_cache_manager.table_changes(s.request for s in out.scheduled_requests)
 
     def step_done(self, out: SchedulerOutput) -> None:
         """A step's outputs are out: feed its time, as its requests' streams saw it, to the step-time

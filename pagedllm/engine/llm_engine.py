@@ -34,8 +34,9 @@ from pagedllm.spec.proposer import NgramProposer, Proposer
 from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
 from pagedllm.worker.executor import Executor
-from pagedllm.worker.model_runner import ModelRunner, StepSamples
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import StepSamples
 
 if TYPE_CHECKING:
     from pagedllm.structured import StructuredOutputManager
@@ -446,14 +447,15 @@ class LLMEngine:
         try:
             if times.steps == self._fault_at_step:
                 raise RuntimeError(f"injected fault at step {times.steps} ({FAULT_INJECTION_ENV})")
-            rows, sampled = self.executor.launch(scheduler_output, times)
-        except BaseException:
-            self.kv_cache_manager.uncache(
-                scheduler_output.newly_cached_blocks
-            )  # registered for content that was never written
+            launched = self.executor.launch(scheduler_output, times)
+        except BaseException:  # blocks registered for content that was never written:
+            self.kv_cache_manager.uncache(scheduler_output.newly_cached_blocks)
             raise
+        prompt_logprobs = launched.prompt_logprobs
         for scheduled in scheduler_output.scheduled_requests:
             req = scheduled.request
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                self.output_processor.add_prompt_logprobs(req, *prompt_logprobs[req.request_id])
             start = req.num_computed_tokens
             if start < req.num_prompt_tokens:
                 self.num_prompt_tokens += min(start + scheduled.num_tokens, req.num_prompt_tokens) - start
@@ -463,7 +465,7 @@ class LLMEngine:
         recorded = time.perf_counter()
         self.step_events.record(scheduler_output, self, recorded - started)
         times.record += time.perf_counter() - recorded
-        return LaunchedStep(scheduler_output, rows, sampled)
+        return LaunchedStep(scheduler_output, launched.sample_rows, launched.samples)
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         """Bring a launched step's tokens to the host: stop checks, detokenization, outputs."""
@@ -506,7 +508,8 @@ class LLMEngine:
             touched[req.parent_id] = None
         self.num_generation_tokens += generated
         if self.proposer is not None and continuing:
-            self.proposer.propose_all(continuing)
+            for req, drafts in zip(continuing, self.proposer.propose_all(continuing), strict=True):
+                req.spec_token_ids = drafts
         outputs = []
         for pid in touched:
             parent = self.output_processor.parents.get(pid)

@@ -138,6 +138,14 @@ class OutputProcessor:
         self.num_prompt_tokens += req.num_prompt_tokens
         self.num_cached_prompt_tokens += max(req.num_cached_tokens, 0)
 
+    @staticmethod
+    def add_prompt_logprobs(req: Request, first: int, entries: list[dict[int, Logprob] | None]) -> None:
+        """Append a step's prompt logprobs (``entries[j]``: for prompt token ``first + j + 1``) to the
+        request's, which its outputs carry. The runner reports each position once, in order, so
+        ``first`` is the position after the last one reported."""
+        assert req.prompt_logprobs is not None
+        req.prompt_logprobs.extend(entries)
+
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         first = children[0]
         parent = ParentState(

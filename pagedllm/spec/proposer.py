@@ -40,8 +40,9 @@ def draft_limit(request: Request, k: int, max_model_len: int) -> int:
 class Proposer(Protocol):
     """What the engine asks of a proposer, after each step, for the requests that go on."""
 
-    def propose_all(self, requests: list[Request]) -> None:
-        """Set each request's ``spec_token_ids`` (possibly empty) for its next step."""
+    def propose_all(self, requests: list[Request]) -> list[list[int]]:
+        """Each request's draft tokens (possibly none) for its next step, in order: the engine makes
+        them the request's ``spec_token_ids`` (a proposer writes no request state)."""
 
     def check_idle(self) -> None:
         """Assert that no state of finished requests is left (an idle engine's check)."""
@@ -64,10 +65,9 @@ class NgramProposer:
             return []
         return propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
 
-    def propose_all(self, requests: list[Request]) -> None:
-        """Set ``spec_token_ids`` of each request (running, its latest token on the host)."""
-        for request in requests:
-            request.spec_token_ids = self.propose(request)
+    def propose_all(self, requests: list[Request]) -> list[list[int]]:
+        """The draft tokens of each request (running, its latest token on the host), in order."""
+        return [self.propose(request) for request in requests]
 
     def check_idle(self) -> None:
         """Prompt lookup holds no state between steps."""

@@ -1,4 +1,5 @@
-"""Block tables of the running requests, kept as rows of one array and updated incrementally."""
+"""Block tables of the requests that hold device blocks, kept as rows of one array and maintained
+from the scheduler's block-table changes alone."""
 
 from __future__ import annotations
 
@@ -7,28 +8,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedllm.request import Request
+from pagedllm.core.kv_cache_manager import BlockTableChange
 
 
 @dataclass
 class _Row:
     index: int  # row of the array
-    blocks: list[int]  # the request's block_ids list object the row mirrors
-    filled: int  # array[index, :filled] == blocks[:filled]
+    filled: int  # entries of the request's table: array[index, :filled]
 
 
 class BlockTableRows:
-    """Each request of consecutive decode batches keeps a row of ``array`` holding its block table.
+    """Each request the scheduler has given a block table keeps a row of ``array`` holding it.
 
-    A decode step appends at most one block to a request's table, so :meth:`update` copies only the
-    ids appended since the last batch instead of every request's whole table. Invariant: for each
-    tracked request, ``array[row.index, :row.filled] == row.blocks[:row.filled]``, where
-    ``row.blocks`` is the request's ``block_ids`` list object. The KV cache manager only ever extends
-    that list or replaces it (freeing a request's blocks assigns a new list), so a replaced list
-    resets the row; the one exception, a sliding-window model releasing blocks that left the window,
-    overwrites leading entries with a placeholder in place, and the row then keeps the old ids there,
-    which attention never reads (they lie wholly before every query's window). Entries past ``filled`` are stale ids of an earlier owner: readers must stop at
-    the request's context length. A request missing from a batch gives its row back.
+    The rows change only through :meth:`apply`, with a step's ``dropped_tables`` and
+    ``block_table_changes`` (:class:`pagedllm.core.scheduler.SchedulerOutput`): a dropped request
+    gives its row back; a change writes its ids at ``start`` and the table ends after them. A decode
+    step appends at most one block to a table, so it copies one id, not every request's whole table.
+    Invariant: ``array[row.index, :row.filled]`` is the table the changes describe; entries past
+    ``filled`` are stale ids of an earlier owner, and readers stop at the request's context length.
+    Rows are held across steps a request sits out (pipeline stages run disjoint groups), until it
+    is dropped.
     """
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int) -> None:
@@ -36,35 +35,49 @@ class BlockTableRows:
         self._rows: dict[str, _Row] = {}
         self._free = list(range(max_rows - 1, -1, -1))
 
-    def update(self, requests: Sequence[Request]) -> np.ndarray:
-        """Bring the rows of ``requests`` up to date; returns their row indices, in order."""
-        if len(requests) > self.array.shape[0]:
-            raise ValueError(f"{len(requests)} requests exceed the {self.array.shape[0]} block-table rows.")
-        previous = self._rows
-        current: dict[str, _Row] = {}
-        indices = np.empty(len(requests), dtype=np.int64)
+    def apply(self, dropped: Sequence[str], changes: Sequence[BlockTableChange]) -> None:
+        """Drop the tables of ``dropped`` (ids the rows do not hold are ignored), then apply
+        ``changes`` in order. ValueError when a change starts past its table's end, a table outgrows
+        its row, or more requests hold tables than there are rows."""
+        rows = self._rows
+        for rid in dropped:
+            row = rows.pop(rid, None)
+            if row is not None:
+                self._free.append(row.index)
         array = self.array
-        for i, request in enumerate(requests):
-            blocks = request.block_ids
-            row = previous.pop(request.request_id, None)
+        for change in changes:
+            row = rows.get(change.request_id)
             if row is None:
-                row = _Row(self._free.pop() if self._free else self._reclaim(previous), blocks, 0)
-            elif row.blocks is not blocks:
-                row.blocks, row.filled = blocks, 0
-            n = len(blocks)
-            if n > row.filled:
-                array[row.index, row.filled : n] = blocks[row.filled : n]
-                row.filled = n
-            current[request.request_id] = row
+                if not self._free:
+                    raise ValueError(f"more than {array.shape[0]} requests hold block tables.")
+                row = rows[change.request_id] = _Row(self._free.pop(), 0)
+            start, end = change.start, change.start + len(change.block_ids)
+            if start > row.filled:
+                raise ValueError(
+                    f"request {change.request_id}: a block-table change at entry {start} of a table "
+                    f"of {row.filled} entries."
+                )
+            if end > array.shape[1]:
+                raise ValueError(
+                    f"request {change.request_id}: {end} blocks exceed the {array.shape[1]} of a table."
+                )
+            array[row.index, start:end] = change.block_ids
+            row.filled = end
+
+    def rows(self, request_ids: Sequence[str]) -> np.ndarray:
+        """The row indices of ``request_ids``, in order (KeyError naming one the rows do not hold)."""
+        rows = self._rows
+        indices = np.empty(len(request_ids), dtype=np.int64)
+        for i, rid in enumerate(request_ids):
+            row = rows.get(rid)
+            if row is None:
+                raise KeyError(f"request {rid!r} has no block table: the scheduler sent none.")
             indices[i] = row.index
-        self._free.extend(row.index for row in previous.values())
-        self._rows = current
         return indices
 
-    def _reclaim(self, previous: dict[str, _Row]) -> int:
-        """A row of a request absent from this batch (all rows are taken by the previous batch)."""
-        _, row = previous.popitem()
-        return row.index
+    def num_blocks(self, request_id: str) -> int:
+        """Entries in the request's table."""
+        return self._rows[request_id].filled
 
     def __len__(self) -> int:
         return len(self._rows)

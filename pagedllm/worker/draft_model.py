@@ -4,12 +4,12 @@ request's draft tokens, greedily, from a paged KV cache of its own.
 The draft runs on its own :class:`~pagedllm.worker.executor.Executor` (same device and dtype as the
 target; weights as ``speculative_config.quantization`` says, by default as its checkpoint stores
 them) and its own :class:`~pagedllm.core.kv_cache_manager.KVCacheManager` (no prefix cache). Each
-target request that gets drafts has a *shadow* :class:`~pagedllm.request.Request` on the draft's
-pool, whose tokens are the target request's tokens (they only ever grow) and whose
-``num_computed_tokens`` counts the leading ones whose draft KV is written; after them the draft KV
-also holds the draft tokens fed by the latest proposal (``DraftState.fed``).
+target request that gets drafts has a *shadow* request on the draft's pool, kept by
+:class:`~pagedllm.core.draft_shadows.ShadowRequests` (which alone writes it, and turns each draft
+step into a scheduler output whose block-table changes the draft's runner applies).
 
-:meth:`DraftModelProposer.propose_all` (after each target step, for the requests that go on):
+:meth:`DraftModelProposer.propose_all` (after each target step, for the requests that go on; it
+returns their drafts, which the engine gives them):
 
 1. frees the state of every request that finished, was aborted or left ``running`` (preempted);
 2. per request with a positive :func:`~pagedllm.spec.proposer.draft_limit` ``k_i``: rolls the draft
@@ -28,20 +28,20 @@ also holds the draft tokens fed by the latest proposal (``DraftState.fed``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.draft_shadows import DraftState, ShadowRequests
 from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
-from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_loader import gguf_config, open_gguf
 from pagedllm.model.hf_loader import load_hf_config
 from pagedllm.model.loader import resolve_model_path
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import Request
 from pagedllm.sample.sampler import NO_TOKEN, DeviceSamples
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec.config import SpeculativeConfig, check_draft_vocab
 from pagedllm.spec.proposer import draft_limit
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
@@ -55,9 +55,6 @@ CUDA_ACTIVATION_MARGIN = 512 << 20
 
 # The host tier of KV blocks is off for the draft (its state is dropped when a request is preempted).
 DRAFT_WITHOUT_HOST_TIER: dict[str, object] = {"swap_space": 0.0, "preemption_mode": "recompute"}
-
-# The shadow requests' sampling: the draft's argmax, no processor.
-_DRAFT_PARAMS = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -162,39 +159,6 @@ def draft_engine_config(
     return replace(config, **changes)  # type: ignore[arg-type]
 
 
-@dataclass
-class DraftState:
-    """What the draft's KV cache holds for one target request.
-
-    Invariant (between calls): the draft KV of positions ``[0, shadow.num_computed_tokens +
-    len(fed))`` is the draft's computation of ``request.all_token_ids[:shadow.num_computed_tokens]``
-    followed by ``fed``, in ``shadow.block_ids`` (one reference each on the draft pool);
-    ``shadow.all_token_ids`` is a prefix of ``request.all_token_ids``.
-    """
-
-    request: Request  # the target request
-    shadow: Request  # its stand-in on the draft's pool
-    fed: list[int] = field(default_factory=list)  # draft tokens written after the computed tokens
-
-    def sync(self) -> int:
-        """Bring the shadow's tokens up to the request's and roll the draft KV back to the longest
-        prefix still valid (the fed drafts the target accepted count), leaving at least the latest
-        token to compute; returns the tokens still to compute."""
-        tokens = self.request.all_token_ids
-        shadow = self.shadow
-        for token in tokens[shadow.num_tokens :]:
-            shadow.append_output_token(token)
-        valid = shadow.num_computed_tokens
-        for draft in self.fed:
-            if valid >= len(tokens) or tokens[valid] != draft:
-                break
-            valid += 1
-        shadow.num_computed_tokens = min(valid, len(tokens) - 1)
-        shadow.num_pending_tokens = 0
-        self.fed = []
-        return len(tokens) - shadow.num_computed_tokens
-
-
 class DraftModelProposer:
     """Proposes drafts with a draft model that shares the target's tokenizer (see the module
     docstring). Construction loads the draft (ValueError naming ``speculative_config.model`` when
@@ -215,13 +179,13 @@ class DraftModelProposer:
         check_same_tokenizer(target.tokenizer, self.executor.tokenizer, spec.model)
         self.runner = self.executor.runner
         self.max_num_batched_tokens = self.executor.max_num_batched_tokens
-        self.kv_cache_manager = KVCacheManager(
+        kv_cache_manager = KVCacheManager(
             self.executor.num_kv_blocks,
             config.block_size,
             enable_caching=False,
             sliding_window=uniform_sliding_window(self.executor.model_config),
         )
-        self.states: dict[str, DraftState] = {}
+        self.shadows = ShadowRequests(kv_cache_manager, self.max_model_len)
         self.times = StepPhaseTimes()  # the draft's forward and sampling time, for profiling
         self.num_draft_steps = 0  # draft forwards run, total
         arch = self.executor.model_config
@@ -238,65 +202,44 @@ class DraftModelProposer:
             self.k,
         )
 
-    # -- state ------------------------------------------------------------------------------
-    def _free(self, state: DraftState) -> None:
-        self.kv_cache_manager.free(state.shadow)
-        state.fed = []
-        del self.states[state.request.request_id]
+    @property
+    def states(self) -> dict[str, DraftState]:
+        """Draft state by target request id."""
+        return self.shadows.states
 
-    def _sweep(self) -> None:
-        """Free the state of requests that are no longer running (finished, aborted, preempted)."""
-        for state in list(self.states.values()):
-            if state.request.status != RequestStatus.RUNNING:
-                self._free(state)
-
-    def _state_of(self, request: Request) -> DraftState:
-        state = self.states.get(request.request_id)
-        if state is not None and state.request is not request:  # an id reused by a new request
-            self._free(state)
-            state = None
-        if state is None:
-            shadow = Request(
-                request.request_id,
-                list(request.all_token_ids),
-                _DRAFT_PARAMS,
-                max_tokens=self.max_model_len,
-                eos_token_ids=[],
-            )
-            shadow.status = RequestStatus.RUNNING
-            state = self.states[request.request_id] = DraftState(request, shadow)
-        return state
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        """The draft pool's block tables."""
+        return self.shadows.kv_cache_manager
 
     def check_idle(self) -> None:
         """Free what finished requests left, then assert no request holds draft state or blocks."""
-        self._sweep()
-        assert not self.states, f"draft state left for {sorted(self.states)[:5]}"
-        self.kv_cache_manager.check_idle()
+        self.shadows.check_idle()
 
     # -- proposing --------------------------------------------------------------------------
-    def propose_all(self, requests: list[Request]) -> None:
-        """Set ``spec_token_ids`` of each request (running, its latest token on the host)."""
-        self._sweep()
+    def propose_all(self, requests: list[Request]) -> list[list[int]]:
+        """The draft tokens of each request (running, its latest token on the host), in order;
+        empty for one that gets none."""
+        self.shadows.sweep()
         batch: list[tuple[DraftState, int, int]] = []  # (state, tokens to catch up, drafts wanted)
         for request in requests:
-            request.spec_token_ids = []
             k = draft_limit(request, self.k, self.max_model_len)
             if k <= 0:
                 continue
-            state = self._state_of(request)
-            missing = state.sync()
-            if self.kv_cache_manager.allocate_slots(state.shadow, missing + k - 1):
-                batch.append((state, missing, k))
+            prepared = self.shadows.prepare(request, k)
+            if prepared is not None:
+                batch.append((*prepared, k))
+        drafts: dict[str, list[int]] = {}
         if batch:
-            for (state, _, _), drafts in zip(batch, self._draft(batch), strict=True):
-                state.request.spec_token_ids = drafts
+            for (state, _, _), tokens in zip(batch, self._draft(batch), strict=True):
+                drafts[state.request.request_id] = tokens
+        return [drafts.get(request.request_id, []) for request in requests]
 
     def _launch(self, steps: list[ScheduledRequest]) -> DeviceSamples | None:
         """Run one draft step; returns its samples (one per row that reaches its end), on the device."""
         self.num_draft_steps += 1
-        _, samples = self.runner.launch(SchedulerOutput(steps, sum(s.num_tokens for s in steps)), self.times)
-        for s in steps:
-            s.request.num_computed_tokens += s.num_tokens
+        samples = self.runner.launch(self.shadows.step(steps), self.times).samples
+        self.shadows.advance(steps)
         assert samples is None or isinstance(samples, DeviceSamples)
         return samples
 
@@ -333,12 +276,8 @@ class DraftModelProposer:
         samples: list[tuple[list[int], DeviceSamples]] = [(list(range(len(batch))), first)]
         for position in range(1, max(k for _, _, k in batch)):
             rows = [i for i, (_, _, k) in enumerate(batch) if k > position]
-            steps = []
-            for i in rows:
-                shadow = batch[i][0].shadow
-                shadow.num_pending_tokens = position  # the previous draft, read on the device
-                steps.append(ScheduledRequest(shadow, 1))
-            sampled = self._launch(steps)
+            # The previous draft is read on the device.
+            sampled = self._launch([self.shadows.feed(batch[i][0], position) for i in rows])
             assert sampled is not None
             samples.append((rows, sampled))
         drafts: list[list[int]] = [[] for _ in batch]
@@ -347,11 +286,7 @@ class DraftModelProposer:
                 drafts[i].append(token)
         out = []
         for (state, _, _), tokens in zip(batch, drafts, strict=True):
-            shadow = state.shadow
-            # The drafts fed to the draft are written after the request's tokens.
-            shadow.num_computed_tokens = shadow.num_tokens
-            shadow.num_pending_tokens = 0
+            self.shadows.settle(state, tokens)
             valid = tokens.index(NO_TOKEN) if NO_TOKEN in tokens else len(tokens)
-            state.fed = tokens[: len(tokens) - 1]
             out.append(tokens[:valid])
         return out

@@ -30,8 +30,9 @@ from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
 from pagedllm.worker.cpu_memory import keep_freed_memory
-from pagedllm.worker.model_runner import StepSamples, resolve_device, resolve_dtype, to_device
+from pagedllm.worker.model_runner import resolve_device, resolve_dtype, to_device
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import RunnerOutput
 
 logger = logging.getLogger("pagedllm")
 
@@ -104,9 +105,7 @@ class EncoderExecutor:
         self.kv_cache_bytes = 0
         self.load_time_s = time.perf_counter() - started
 
-    def launch(
-        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
-    ) -> tuple[list[int], StepSamples | None]:
+    def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:
         """Generation steps: an encoder has none (the engine runs task embed)."""
         raise ValueError(f"{self.model_name} is an encoder: it embeds and does not generate.")
 

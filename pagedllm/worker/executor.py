@@ -25,8 +25,9 @@ from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
 from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
-from pagedllm.worker.model_runner import ModelRunner, StepSamples, resolve_device, resolve_dtype
+from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import RunnerOutput
 from pagedllm.worker.swap import HostKVCache, forward_parameters, measure_costs
 
 logger = logging.getLogger("pagedllm")
@@ -126,11 +127,9 @@ class Executor:
         stage on a different step; returns the number of stages (1: steps run one after another)."""
         return 1
 
-    def launch(
-        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
-    ) -> tuple[list[int], StepSamples | None]:
-        """Launch a step's forward and sampling: the rows that sample, and their tokens (on the device).
-        The step's block copies between the tiers are made first."""
+    def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:
+        """Launch a step's forward and sampling: the rows that sample, their tokens (on the device)
+        and the step's prompt logprobs. The step's block copies between the tiers are made first."""
         self.copy_blocks(scheduler_output)
         return self.runner.launch(scheduler_output, times)
 

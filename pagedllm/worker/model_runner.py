@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +31,7 @@ from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
 from pagedllm.worker.kv_cache import KVCache
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import PromptLogprobsChunk, RunnerOutput, VerifiedSamples
 from pagedllm.worker.step_inputs import StepInputBuilder
 
 logger = logging.getLogger(__name__)
@@ -78,31 +78,6 @@ class PreviousTokens:
 
     rows: dict[str, int]
     token_ids: torch.Tensor
-
-
-class DeferredSamples:
-    """A step's sampling, run when its tokens are asked for (:meth:`output`): a pipelined step's
-    logits reach the driver only after later steps were launched."""
-
-    def __init__(self, sample: Callable[[], DeviceSamples]) -> None:
-        self._sample = sample
-
-    def output(self) -> SampledTokens:
-        return self._sample().output()
-
-
-class VerifiedSamples:
-    """A speculative step's tokens, verified on the host already."""
-
-    def __init__(self, tokens: SampledTokens) -> None:
-        self.tokens = tokens
-
-    def output(self) -> SampledTokens:
-        return self.tokens
-
-
-# What a launched step's sampled tokens are until they are asked for.
-StepSamples = DeviceSamples | DeferredSamples | VerifiedSamples
 
 
 class ModelRunner:
@@ -159,12 +134,25 @@ class ModelRunner:
             keep_freed_memory()
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
-        self.cuda_graphs: CUDAGraphRunner | None = None
+        self._cuda_graphs: CUDAGraphRunner | None = None
         self.native_decode: NativeDecodeLayers | None = None
         self.previous_tokens: PreviousTokens | None = None
         # Rows for every request that can run at once (tables up to max_model_len), shared by the
         # eager path and the CUDA graphs.
         self.input_builder = StepInputBuilder(block_size, max_num_seqs, -(-max_model_len // block_size))
+
+    @property
+    def cuda_graphs(self) -> CUDAGraphRunner | None:
+        """The decode graphs, when captured. They stage their inputs with this runner's
+        :attr:`input_builder` (set on assignment): the eager path and the graphs read one set of
+        block tables, which every step's changes update once."""
+        return self._cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, graphs: CUDAGraphRunner | None) -> None:
+        if graphs is not None:
+            graphs.input_builder = self.input_builder
+        self._cuda_graphs = graphs
 
     def _place_model(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
         """The model this runner holds, given the whole model built on the meta device (a pipeline
@@ -353,9 +341,7 @@ class ModelRunner:
         times.prepare += prepared - started
         hidden, logits = graphs.replay(bucket)
         times.forward += time.perf_counter() - prepared
-        sample_rows = [
-            i for i, scheduled in enumerate(scheduler_output.scheduled_requests) if scheduled.needs_sample
-        ]
+        sample_rows = scheduler_output.sample_rows
         if len(sample_rows) == n:
             logits_indices = graphs.query_start_loc[:n]  # 0 .. n-1: one row per request
             logits = logits[:n]
@@ -386,8 +372,11 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor
-    ) -> None:
-        """Append prompt logprobs for the prompt positions this step computed (once per position)."""
+    ) -> dict[str, PromptLogprobsChunk]:
+        """Prompt logprobs of the prompt positions this step computed, each position once: those a
+        request has already reported (``Request.prompt_logprobs``, kept by the engine; a prompt
+        computed again after preemption) are skipped."""
+        found: dict[str, PromptLogprobsChunk] = {}
         for row, scheduled in enumerate(scheduler_output.scheduled_requests):
             req = scheduled.request
             k = req.params.prompt_logprobs
@@ -400,15 +389,16 @@ class ModelRunner:
             if first >= last:
                 continue
             base = inputs.row_starts[row] - start
+            entries: list[dict[int, Logprob] | None] = []
             # In slices of positions, so a long prompt never holds full-vocabulary float rows for
             # every position at once.
             for lo in range(first, last, PROMPT_LOGPROBS_POSITIONS):
                 hi = min(lo + PROMPT_LOGPROBS_POSITIONS, last)
-                req.prompt_logprobs.extend(
-                    self._prompt_logprobs_slice(
-                        hidden, slice(base + lo, base + hi), req.prompt_token_ids[lo + 1 : hi + 1], k
-                    )
+                entries += self._prompt_logprobs_slice(
+                    hidden, slice(base + lo, base + hi), req.prompt_token_ids[lo + 1 : hi + 1], k
                 )
+            found[req.request_id] = (first, entries)
+        return found
 
     def _prompt_logprobs_slice(
         self, hidden: torch.Tensor, rows: slice, targets_list: list[int], k: int
@@ -538,11 +528,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch(
-        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None
-    ) -> tuple[list[int], StepSamples | None]:
-        """Run one step up to sampling without waiting for the device: returns (rows of
-        ``so.scheduled`` that get a token, their tokens still on the device; None when no row samples).
+    def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None) -> RunnerOutput:
+        """Run one step up to sampling without waiting for the device: the rows of
+        ``scheduled_requests`` that get a token, their tokens still on the device, and the step's
+        prompt logprobs (see :class:`RunnerOutput`).
 
         Rows whose last token is pending (see :class:`pagedllm.core.scheduler.Scheduler`) read it
         from the step launched before this one. Phase times are added to ``times`` when given.
@@ -550,10 +539,10 @@ class ModelRunner:
         assert self.kv_cache is not None, "KV cache not allocated"
         times = times if times is not None else StepPhaseTimes()
         inputs, hidden, logits = self._forward(scheduler_output, times)
-        self._prompt_logprobs(scheduler_output, inputs, hidden)
+        prompt_logprobs = self._prompt_logprobs(scheduler_output, inputs, hidden)
         if not inputs.sample_rows:
             self.previous_tokens = None
-            return [], None
+            return RunnerOutput([], None, prompt_logprobs)
         started = time.perf_counter()
         if logits is None:
             logits = self.logits_of(hidden, inputs.logits_indices)
@@ -564,10 +553,10 @@ class ModelRunner:
             self.previous_tokens = None  # speculative steps are not scheduled ahead
             verified = self._verify(scheduler_output, inputs.sample_rows, logits)
             times.sample += time.perf_counter() - sampling
-            return inputs.sample_rows, verified
+            return RunnerOutput(inputs.sample_rows, verified, prompt_logprobs)
         sampled = self.sample(scheduler_output, inputs.sample_rows, logits)
         rows = {scheduled[r].request.request_id: j for j, r in enumerate(inputs.sample_rows)}
         self.previous_tokens = PreviousTokens(rows, sampled.token_ids)
         sampled.copy_to_host()
         times.sample += time.perf_counter() - sampling
-        return inputs.sample_rows, sampled
+        return RunnerOutput(inputs.sample_rows, sampled, prompt_logprobs)

@@ -45,9 +45,10 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
 from pagedllm.utils import die_with_parent
 from pagedllm.worker.executor import Executor
-from pagedllm.worker.model_runner import StepSamples, resolve_device
+from pagedllm.worker.model_runner import resolve_device
 from pagedllm.worker.parallel_runner import ParallelModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import RunnerOutput
 
 logger = logging.getLogger("pagedllm")
 
@@ -268,9 +269,7 @@ class ParallelExecutor(Executor):
         self.parallel_runner.pipelined = stages > 1
         return stages
 
-    def launch(
-        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes
-    ) -> tuple[list[int], StepSamples | None]:
+    def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:
         """The step on every rank; if any rank fails (or a collective times out), every rank is
         stopped and the error raised: the ranks are out of step and cannot go on."""
         if self._closed:

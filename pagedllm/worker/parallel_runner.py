@@ -50,8 +50,9 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.sample.sampler import DeviceSamples
-from pagedllm.worker.model_runner import BatchInputs, DeferredSamples, ModelRunner, StepSamples
+from pagedllm.worker.model_runner import BatchInputs, ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
+from pagedllm.worker.runner_output import DeferredSamples, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -307,9 +308,7 @@ class ParallelModelRunner(ModelRunner):
         return self._logits(self._last_forward, rows.cpu(), hidden.index_select(0, rows.to(hidden.device)))
 
     @torch.inference_mode()
-    def launch(
-        self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None
-    ) -> tuple[list[int], StepSamples | None]:
+    def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes | None = None) -> RunnerOutput:
         """A pipelined step (see the module docstring) runs the driver's stage and returns; its
         sampled rows are sampled when asked for. A step asking for prompt logprobs runs alone, as
         :meth:`ModelRunner.launch` does."""
@@ -334,14 +333,14 @@ class ParallelModelRunner(ModelRunner):
         times.forward += time.perf_counter() - prepared
         self.previous_tokens = None  # a pipelined step never holds a request with a pending token
         if not inputs.sample_rows:
-            return [], None
+            return RunnerOutput([], None)
         sample_rows = inputs.sample_rows
 
         def sample() -> DeviceSamples:
             hidden = self._returned.pop(number).take()
             return self.sample(scheduler_output, sample_rows, self._logits(number, None, hidden))
 
-        return sample_rows, DeferredSamples(sample)
+        return RunnerOutput(sample_rows, DeferredSamples(sample))
 
     def shutdown_ranks(self) -> None:
         """Tell every other rank to leave :meth:`serve`."""

@@ -7,7 +7,8 @@ replay has them written, padded to its bucket, into its pinned staging buffers a
 the graph's static buffers. Both therefore compute every position, slot and block table the same way.
 
 Block tables come from :class:`~pagedllm.worker.block_tables.BlockTableRows`, shared by both paths:
-a running request keeps a row whose ids are copied in as its table grows.
+a request keeps a row, maintained from the step's ``dropped_tables`` and ``block_table_changes``
+(never from ``Request.block_ids``).
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class StepInputBuilder:
         ``out`` (a CUDA graph's staging buffers); other steps get fresh arrays."""
         scheduled = scheduler_output.scheduled_requests
         requests = [s.request for s in scheduled]
-        rows = self.block_table_rows.update(requests)
-        sample_rows = [i for i, s in enumerate(scheduled) if s.needs_sample]
+        tables = self.block_table_rows
+        tables.apply(scheduler_output.dropped_tables, scheduler_output.block_table_changes)
+        rows = tables.rows([r.request_id for r in requests])
+        sample_rows = scheduler_output.sample_rows
         if all(s.num_tokens == 1 for s in scheduled):
             return self._decode(requests, rows, sample_rows, padded_rows, out)
         if (
@@ -173,7 +176,9 @@ class StepInputBuilder:
         slens: list[int] = []
         logits_indices: list[int] = []
         width = 1
-        for item in scheduled:
+        table_rows = self.block_table_rows
+        num_blocks: list[int] = []
+        for row, item in zip(rows, scheduled, strict=True):
             req = item.request
             start = req.num_computed_tokens
             end = start + item.num_tokens
@@ -185,15 +190,16 @@ class StepInputBuilder:
                 ids.append(0)
             pos = np.arange(start, end, dtype=np.int64)
             pos_chunks.append(pos)
-            slot_chunks.append(np.asarray(req.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            slot_chunks.append(table_rows.array[row, pos // bs].astype(np.int64) * bs + pos % bs)
             qlens.append(item.num_tokens)
             slens.append(end)
-            width = max(width, len(req.block_ids))
+            num_blocks.append(table_rows.num_blocks(req.request_id))
+            width = max(width, num_blocks[-1])
             if item.needs_sample:
                 logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
-        tables = self.block_table_rows.array[rows, :width]  # a copy (fancy indexing)
-        for row, item in enumerate(scheduled):
-            tables[row, len(item.request.block_ids) :] = 0  # past its table: stale ids of a former owner
+        tables = table_rows.array[rows, :width]  # a copy (fancy indexing)
+        for i, n in enumerate(num_blocks):
+            tables[i, n:] = 0  # past its table: stale ids of a former owner
         qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1:])
         return HostStepInputs(

@@ -87,9 +87,12 @@ def drive(
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
     next_id = 0
     alive: list[str] = []
+    tables: dict[str, list[int]] = {}  # the worker's block tables, kept from the outputs alone
 
     def step() -> None:
         out = sched.schedule()
+        if not out.is_empty:
+            check_worker_tables(tables, out, sched)
         assert out.num_batched_tokens <= budget
         assert sum(s.num_tokens for s in out.scheduled_requests) == out.num_batched_tokens
         assert len(sched.running) <= max_seqs
@@ -146,6 +149,26 @@ def drive(
     assert not sched.has_unfinished_requests(), "every request finishes"
     kv_cache_manager.check_idle()
     return kv_cache_manager.host.stats if kv_cache_manager.host is not None else None
+
+
+def check_worker_tables(tables: dict[str, list[int]], out, sched: Scheduler) -> None:
+    """Apply a step's dropped tables and block-table changes to ``tables`` as the worker does, and
+    check that they hold every scheduled request's blocks (entries released from a window aside)
+    and that the worker holds a table for exactly the running requests."""
+    for rid in out.dropped_tables:
+        tables.pop(rid, None)
+    for change in out.block_table_changes:
+        table = tables.setdefault(change.request_id, [])
+        assert change.start <= len(table), "a change never leaves a gap"
+        table[change.start :] = change.block_ids
+    for s in out.scheduled_requests:
+        r = s.request
+        table = tables[r.request_id]
+        assert len(table) == len(r.block_ids), f"{r.request_id}: table length"
+        assert all(b in (RELEASED_BLOCK, t) for t, b in zip(table, r.block_ids, strict=True)), (
+            f"{r.request_id}: ids"
+        )
+    assert set(tables) == {r.request_id for r in sched.running}, "tables of exactly the running requests"
 
 
 class KVContents:

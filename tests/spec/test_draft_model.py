@@ -96,9 +96,9 @@ def test_greedy_tokens_equal_plain_decoding(models: dict[str, str], engine_args:
     calls: list[int] = []  # batch size of each proposal
     original = proposer.propose_all
 
-    def counted(requests: list[Request]) -> None:
+    def counted(requests: list[Request]) -> list[list[int]]:
         calls.append(len(requests))
-        original(requests)
+        return original(requests)
 
     proposer.propose_all = counted  # type: ignore[method-assign]
     assert run(llm, PROMPTS) == reference
@@ -235,8 +235,8 @@ def test_requests_the_cap_rules_out_get_no_drafts(models: dict[str, str]) -> Non
         for token in (9, 10):
             request.append_output_token(token)
         requests.append(request)
-    proposer.propose_all(requests)
-    assert [r.spec_token_ids for r in requests] == [[], [], []]
+    assert proposer.propose_all(requests) == [[], [], []]
+    assert [r.spec_token_ids for r in requests] == [[], [], []]  # a proposer writes no request
     assert not proposer.states
     llm.shutdown()
 

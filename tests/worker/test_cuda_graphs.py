@@ -17,8 +17,8 @@ import torch
 
 from helpers.reference import assert_greedy_close
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.kv_cache_manager import BlockTableChange
 from pagedllm.model.config import ModelConfig
-from pagedllm.request import Request
 from pagedllm.worker.block_tables import BlockTableRows
 from pagedllm.worker.cuda_graphs import (
     CUDAGraphRunner,
@@ -109,38 +109,47 @@ def test_fill_decode_inputs_full_bucket_and_errors() -> None:
         fill_decode_inputs([1], [20], np.array([[0]], dtype=np.int32), 16, 2, out)
 
 
-def _request(rid: str, blocks: list[int]) -> Request:
-    request = Request(rid, [1], SamplingParams(), max_tokens=1, eos_token_ids=[])
-    request.block_ids = blocks
-    return request
-
-
-def test_block_table_rows_follow_appends_frees_and_batch_changes() -> None:
+def test_block_table_rows_follow_appends_drops_and_batch_changes() -> None:
+    """Rows are kept from the scheduler's changes alone: appends copy the new ids only, a change at
+    entry 0 rewrites a table, dropped tables give their rows back, and rows are held across steps."""
     rows = BlockTableRows(max_rows=3, max_blocks_per_seq=4)
+    want: dict[str, list[int]] = {}
 
-    def check(requests: list[Request]) -> None:
-        indices = rows.update(requests)
-        assert len(set(indices.tolist())) == len(requests) == len(rows)
-        for r, i in zip(requests, indices, strict=True):
-            assert rows.array[i, : len(r.block_ids)].tolist() == r.block_ids, r.request_id
+    def check(dropped: list[str], changes: list[BlockTableChange], batch: list[str]) -> np.ndarray:
+        rows.apply(dropped, changes)
+        for rid in dropped:
+            want.pop(rid, None)
+        for c in changes:
+            want[c.request_id] = want.get(c.request_id, [])[: c.start] + c.block_ids
+        indices = rows.rows(batch)
+        assert len(set(indices.tolist())) == len(batch) and len(rows) == len(want)
+        for rid, i in zip(batch, indices, strict=True):
+            assert rows.num_blocks(rid) == len(want[rid])
+            assert rows.array[i, : len(want[rid])].tolist() == want[rid], rid
+        return indices
 
-    a, b, c = _request("a", [5]), _request("b", [7, 8]), _request("c", [])
-    check([a, b])
-    row_a = rows.update([a, b])[0]
-    a.block_ids.append(9)  # a decode step filled a block: only the new id is copied
+    row_a = check([], [BlockTableChange("a", 0, [5]), BlockTableChange("b", 0, [7, 8])], ["a", "b"])[0]
     rows.array[row_a, 0] = -5  # (so a full rewrite would be noticed)
-    assert rows.update([a, b])[0] == row_a and rows.array[row_a, :2].tolist() == [-5, 9]
+    rows.apply([], [BlockTableChange("a", 1, [9])])  # a decode step filled a block: one id copied
+    assert rows.rows(["a", "b"])[0] == row_a and rows.array[row_a, :2].tolist() == [-5, 9]
     rows.array[row_a, 0] = 5
-    check([a, b])
-    a.block_ids = [1, 2]  # freed (preempted) and allocated again: a new list resets the row
-    check([a, b])
-    check([c, b, a])  # order changes keep rows; an empty table is fine
-    check([c])  # a and b leave: their rows are free again
-    d, e = _request("d", [3]), _request("e", [4, 4, 4, 4])
-    check([d, e, c])
-    check([a, b, d])  # c's row is taken back when every row is in use
-    with pytest.raises(ValueError):
-        rows.update([a, b, c, d])
+    want["a"] = [5, 9]
+    check([], [], ["a", "b"])
+    check(["a"], [BlockTableChange("a", 0, [1, 2])], ["a", "b"])  # preempted and readmitted
+    check([], [BlockTableChange("c", 0, [])], ["c", "b", "a"])  # order changes keep rows; empty table
+    check([], [], ["c"])  # a and b sit the step out: their rows are kept
+    assert rows.rows(["a", "b"]).tolist() == check([], [], ["a", "b"]).tolist()
+    check(
+        ["a", "b"], [BlockTableChange("d", 0, [3]), BlockTableChange("e", 0, [4, 4, 4, 4])], ["d", "e", "c"]
+    )
+    with pytest.raises(ValueError, match="hold block tables"):  # more tables than rows
+        rows.apply([], [BlockTableChange("f", 0, [1])])
+    with pytest.raises(ValueError, match="at entry 3"):  # a change that leaves a gap
+        rows.apply([], [BlockTableChange("d", 3, [1])])
+    with pytest.raises(ValueError, match="exceed"):  # a table longer than a row
+        rows.apply([], [BlockTableChange("d", 1, [1, 2, 3, 4])])
+    with pytest.raises(KeyError, match="no block table"):
+        rows.rows(["a"])
 
 
 def test_graph_memory_estimate_grows_with_the_batch() -> None:
