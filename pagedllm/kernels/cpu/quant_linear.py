@@ -3,10 +3,11 @@
 :class:`QuantLinear` is an ``nn.Linear`` whose weight stays in its GGUF blocks
 (:class:`~pagedllm.kernels.cpu.quant.QuantizedWeight`); :class:`QuantEmbedding` is an ``nn.Embedding``
 over such a table, and a tied LM head is a :class:`QuantLinear` over the very same blocks (one copy).
-Every product, whatever its number of rows, runs the integer kernel (:func:`quant_matmul`): measured on
-the default model's layers it is faster than dequantizing the weight and multiplying in float32 at
-every row count (``benchmarks/quant_matmul.py --dequant``, docs/PERFORMANCE.md), and one kernel for
-all rows keeps a row's result independent of the batch it is in, prompt chunks included.
+Every product runs :func:`quant_matmul` on the blocks: the integer kernels for few rows (decode), the
+AMX tiles for many where the CPU has them (prompts; a panel of the weight dequantized to bfloat16 at
+a time, never the whole weight). On each path a row's result is independent of the other rows of its
+batch; a row computed in batches on both sides of :data:`~pagedllm.kernels.cpu.quant.AMX_MIN_ROWS`
+differs by the two paths' rounding.
 """
 
 from __future__ import annotations

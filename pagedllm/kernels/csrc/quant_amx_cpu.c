@@ -1,0 +1,403 @@
+/*
+ * Products of many rows with GGUF-quantized weights on the AMX tile units (bfloat16):
+ * y[m, n] = x[m, k] @ W[n, k]^T, W in the block layout of quant_cpu.c (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+ * Q6_K), for prompts: where m is large the integer kernels are bound by their arithmetic, and one
+ * AMX tile instruction does 16 x 16 x 32 multiply-adds.
+ *
+ * How: x is rounded to bfloat16 once (rows padded with zeros to a multiple of 16). Each thread takes
+ * a contiguous range of groups of 16 output columns and walks it in panels of a few groups; a
+ * panel's weight rows are dequantized (float32, then rounded to bfloat16) into a per-thread scratch
+ * buffer in the tile units' pair-interleaved layout (for a group: [k / 2][16 columns][2]), so that
+ * no float copy of the weight outlives the call and the weight is expanded once per product; then
+ * 2 x 2 tiles of 16 rows x 16 columns accumulate in float32 over k in steps of 32 (TDPBF16PS), rows
+ * of x in the A tiles, the panel in the B tiles.
+ *
+ * Numbers: each product term is x and W rounded to bfloat16 (8 significant bits, relative error at
+ * most 2^-9 each), multiplied exactly and summed in float32 in an order fixed by k alone, so a row's
+ * result does not depend on the other rows of x nor on the thread count (only on this path being
+ * taken: quant_cpu.c's integer kernels round differently).
+ *
+ * Compiled only where the compiler targets AMX-BF16 (gcc/clang with -march=native on such a CPU); at
+ * run time the tile data must also be granted by Linux (arch_prctl ARCH_REQ_XCOMP_PERM), which
+ * amx_quant_available() asks for once. amx_quant_matmul_f32 returns ERR_NO_AMX where either is
+ * missing, and the caller takes the integer kernels.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { AQ4_0 = 2, AQ4_1 = 3, AQ8_0 = 8, AQ4_K = 12, AQ5_K = 13, AQ6_K = 14 };
+enum { AERR_TYPE = -1, AERR_SHAPE = -2, AERR_MEMORY = -3, AERR_NO_AMX = -4 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512BF16__) && defined(__F16C__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state; /* 0 not asked yet, 1 granted, -1 refused */
+
+static int amx_granted(void)
+{
+    int s;
+#pragma omp atomic read
+    s = amx_state;
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+#pragma omp atomic write
+        amx_state = s;
+    }
+    return s == 1;
+}
+
+static int block_values(int64_t type)
+{
+    switch (type) {
+        case AQ4_0: case AQ4_1: case AQ8_0: return 32;
+        case AQ4_K: case AQ5_K: case AQ6_K: return 256;
+        default: return 0;
+    }
+}
+
+static int block_bytes(int64_t type)
+{
+    switch (type) {
+        case AQ4_0: return 18;
+        case AQ4_1: return 20;
+        case AQ8_0: return 34;
+        case AQ4_K: return 144;
+        case AQ5_K: return 176;
+        case AQ6_K: return 210;
+        default: return 0;
+    }
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float h2f(const uint8_t *p)
+{
+    return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8));
+}
+
+INLINE __m512 u8_to_ps(__m128i v) /* 16 bytes, unsigned */
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+
+/* 32 values of one sub-block: out[l] = a * q[l] + b for the 32 unsigned quants in q. */
+INLINE void affine32(__m256i q, float a, float b, float *out)
+{
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(u8_to_ps(_mm256_castsi256_si128(q)), va, vb));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(u8_to_ps(_mm256_extracti128_si256(q, 1)), va, vb));
+}
+
+/* One block of ``type`` at w as float32 (32 or 256 values). */
+static void dequant_block(int64_t type, const uint8_t *w, float *out)
+{
+    const __m256i m0f = _mm256_set1_epi8(15);
+    switch (type) {
+        case AQ4_0: case AQ4_1: {
+            const float d = h2f(w), m = type == AQ4_1 ? h2f(w + 2) : -8.0f * d;
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(w + (type == AQ4_1 ? 4 : 2)));
+            affine32(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m0f), d, m, out);
+            break;
+        }
+        case AQ8_0: {
+            const __m512 d = _mm512_set1_ps(h2f(w));
+            const __m128i q0 = _mm_loadu_si128((const __m128i *)(w + 2)), q1 = _mm_loadu_si128((const __m128i *)(w + 18));
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+            _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+            break;
+        }
+        case AQ4_K: case AQ5_K: {
+            const int five = type == AQ5_K;
+            const float d = h2f(w), dmin = h2f(w + 2);
+            const uint8_t *s = w + 4, *qs = w + (five ? 48 : 16);
+            const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                int sc, mn;
+                if (j < 4) {
+                    sc = s[j] & 63;
+                    mn = s[j + 4] & 63;
+                } else {
+                    sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+                    mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+                }
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+                __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, m0f);
+                if (five)
+                    q = _mm256_or_si256(
+                        q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, j), _mm256_set1_epi8(1)), 4));
+                affine32(q, d * (float)sc, -(dmin * (float)mn), out + 32 * j);
+            }
+            break;
+        }
+        case AQ6_K: {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *sc = (const int8_t *)(w + 192);
+            const float d = h2f(w + 208);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                for (int kk = 0; kk < 4; ++kk) {
+                    __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (kk & 1)));
+                    if (kk >= 2) l = _mm256_srli_epi16(l, 4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * kk), _mm256_set1_epi8(3));
+                    const __m256i q = _mm256_or_si256(_mm256_and_si256(l, m0f), _mm256_slli_epi16(hi, 4));
+                    float *o = out + 128 * h + 32 * kk;
+                    const float d0 = d * (float)sc[8 * h + 2 * kk], d1 = d * (float)sc[8 * h + 2 * kk + 1];
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(u8_to_ps(_mm256_castsi256_si128(q)), _mm512_set1_ps(d0),
+                                                        _mm512_set1_ps(-32.0f * d0)));
+                    _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(u8_to_ps(_mm256_extracti128_si256(q, 1)),
+                                                             _mm512_set1_ps(d1), _mm512_set1_ps(-32.0f * d1)));
+                }
+            }
+            break;
+        }
+        default: break;
+    }
+}
+
+/* Transpose 16 x 16 32-bit elements in place (r[i] row i). */
+INLINE void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* r[4i + c] holds, in its 128-bit lane L, column 4L + c of rows 4i..4i+3 */
+    for (int c = 0; c < 4; ++c) {
+        const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+        const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+        t[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+        t[c + 8] = _mm512_shuffle_i32x4(a, e, 0xdd);
+        t[c + 4] = _mm512_shuffle_i32x4(b, f, 0x88);
+        t[c + 12] = _mm512_shuffle_i32x4(b, f, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+#define CHUNK 256 /* values of k dequantized per step (one K block, or 8 of the 32-value blocks) */
+
+/* The group of 16 weight rows w[c0 .. c0 + valid) (zeros past ``valid``) as bfloat16 pairs:
+ * out[(k / 2) * 16 + col] holds values (k, k + 1) of column col. ``tmp`` is 16 * CHUNK floats. */
+static void fill_group(int64_t type, const uint8_t *w, int64_t row_bytes, int valid, int64_t k, uint32_t *out,
+                       float *tmp)
+{
+    const int qb = block_values(type), bb = block_bytes(type);
+    const int64_t chunk = k % CHUNK ? qb : CHUNK;
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        for (int r = 0; r < 16; ++r) {
+            if (r < valid)
+                for (int64_t v = 0; v < chunk; v += qb)
+                    dequant_block(type, w + r * row_bytes + (k0 + v) / qb * bb, tmp + r * CHUNK + v);
+            else
+                memset(tmp + r * CHUNK, 0, sizeof(float) * (size_t)chunk);
+        }
+        for (int64_t s = 0; s < chunk; s += 32) {
+            __m512i v[16];
+            for (int r = 0; r < 16; ++r)
+                v[r] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + r * CHUNK + s + 16),
+                                                     _mm512_loadu_ps(tmp + r * CHUNK + s));
+            transpose16(v);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + ((k0 + s) / 2 + i) * 16, v[i]);
+        }
+    }
+}
+
+/* Rows [r0, r1) of x (row stride ldx) as bfloat16 rows of k values (xb, row stride k). */
+static void round_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, uint16_t *xb)
+{
+    for (int64_t i = r0; i < r1; ++i)
+        for (int64_t c = 0; c < k; c += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * ldx + c + 16), _mm512_loadu_ps(x + i * ldx + c));
+            _mm512_storeu_si512(xb + i * k + c, (__m512i)v);
+        }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+static void configure_tiles(void)
+{
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Copy the valid part of a 16 x 16 float tile from buf to y. */
+static void copy_tile(const float *buf, float *y, int64_t ldy, int rows, int cols)
+{
+    for (int i = 0; i < rows; ++i) memcpy(y + i * ldy, buf + 16 * i, sizeof(float) * (size_t)cols);
+}
+
+/* y tiles for token blocks (t, t + 1) x column groups (g, g + 1), each group's panel ``k * 16``
+ * uint32 apart; ``two_t`` / ``two_g``: whether the second block / group exists. */
+static void tiles_2x2(const uint16_t *xb, int64_t k, const uint32_t *panel, int64_t m, int64_t t, int two_t,
+                      int64_t col0, int64_t n, int two_g, float *y, int64_t ldy, float *buf)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t *a0 = xb + 16 * t * k, *a1 = a0 + 16 * k;
+    const uint32_t *b0 = panel, *b1 = panel + 8 * k;
+    const int64_t lda = 2 * k;
+    if (two_t && two_g) {
+        for (int64_t c = 0; c < k; c += 32) {
+            _tile_loadd(4, a0 + c, lda);
+            _tile_loadd(6, b0 + c * 8, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b1 + c * 8, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a1 + c, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int64_t c = 0; c < k; c += 32) {
+            _tile_loadd(4, a0 + c, lda);
+            _tile_loadd(6, b0 + c * 8, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_g) {
+                _tile_loadd(7, b1 + c * 8, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (two_t) {
+                _tile_loadd(5, a1 + c, lda);
+                _tile_dpbf16ps(2, 5, 6);
+            }
+        }
+    }
+    for (int i = 0; i < 2; ++i) {
+        if (i && !two_t) break;
+        const int64_t r = 16 * (t + i);
+        const int rows = (int)(m - r < 16 ? m - r : 16);
+        for (int j = 0; j < 2; ++j) {
+            if (j && !two_g) break;
+            const int64_t o = col0 + 16 * j;
+            const int cols = (int)(n - o < 16 ? n - o : 16);
+            float *dst = y + r * ldy + o;
+            if (rows == 16 && cols == 16) {
+                switch (2 * i + j) {
+                    case 0: _tile_stored(0, dst, ldy * 4); break;
+                    case 1: _tile_stored(1, dst, ldy * 4); break;
+                    case 2: _tile_stored(2, dst, ldy * 4); break;
+                    default: _tile_stored(3, dst, ldy * 4); break;
+                }
+            } else {
+                switch (2 * i + j) {
+                    case 0: _tile_stored(0, buf, 64); break;
+                    case 1: _tile_stored(1, buf, 64); break;
+                    case 2: _tile_stored(2, buf, 64); break;
+                    default: _tile_stored(3, buf, 64); break;
+                }
+                copy_tile(buf, dst, ldy, rows, cols);
+            }
+        }
+    }
+}
+#endif /* HAVE_AMX */
+
+/* 1 where amx_quant_matmul_f32 runs here (compiled for AMX-BF16 and tile data granted), else 0. */
+int64_t amx_quant_available(void)
+{
+#ifdef HAVE_AMX
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
+
+/* Groups of 16 columns a thread dequantizes at once: the panel stays near 512 KiB (in L2). */
+static int64_t panel_groups(int64_t k)
+{
+    const int64_t g = (512 * 1024) / (k * 32 > 0 ? k * 32 : 1);
+    return g < 2 ? 2 : g > 16 ? 16 : g & ~(int64_t)1;
+}
+
+/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T on the AMX tiles, W the [n, k] weight of
+ * GGML type ``type`` in its GGUF block layout. Returns 0, AERR_TYPE, AERR_SHAPE, AERR_MEMORY or
+ * AERR_NO_AMX (not compiled for AMX, or Linux refused the tile data: nothing written). */
+int64_t amx_quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, const float *x, int64_t m,
+                             int64_t ldx, float *y, int64_t ldy)
+{
+#ifndef HAVE_AMX
+    (void)type, (void)w, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)y, (void)ldy;
+    (void)panel_groups;
+    return AERR_NO_AMX;
+#else
+    const int qb = block_values(type);
+    if (!qb) return AERR_TYPE;
+    if (n < 0 || k < 0 || m < 0 || k % qb) return AERR_SHAPE;
+    if (!amx_granted()) return AERR_NO_AMX;
+    if (m == 0 || n == 0) return 0;
+    if (k == 0) {
+        for (int64_t i = 0; i < m; ++i) memset(y + i * ldy, 0, sizeof(float) * (size_t)n);
+        return 0;
+    }
+    const int64_t row_bytes = k / qb * block_bytes(type), tblocks = (m + 15) / 16, groups = (n + 15) / 16;
+    uint16_t *xb = aligned_alloc(64, (size_t)(tblocks * 16 * k * 2 + 63) / 64 * 64);
+    if (xb == NULL) return AERR_MEMORY;
+    memset(xb + m * k, 0, sizeof(uint16_t) * (size_t)((tblocks * 16 - m) * k));
+    const int64_t pg = panel_groups(k);
+    int err = 0;
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+        round_rows(x, ldx, m * th / nt, m * (th + 1) / nt, k, xb);
+        uint32_t *panel = aligned_alloc(64, (size_t)(pg * k * 8 * 4));
+        float *tmp = aligned_alloc(64, sizeof(float) * 16 * (CHUNK + 16));
+        float *buf = tmp + 16 * CHUNK;
+        if (panel == NULL || tmp == NULL) {
+#pragma omp atomic write
+            err = AERR_MEMORY;
+        }
+#pragma omp barrier
+        const int64_t g0 = groups * th / nt, g1 = groups * (th + 1) / nt;
+        if (!err && g1 > g0) {
+            configure_tiles();
+            for (int64_t p0 = g0; p0 < g1; p0 += pg) {
+                const int64_t p1 = p0 + pg < g1 ? p0 + pg : g1;
+                for (int64_t g = p0; g < p1; ++g) {
+                    const int64_t c0 = 16 * g, valid = n - c0 < 16 ? n - c0 : 16;
+                    fill_group(type, (const uint8_t *)w + c0 * row_bytes, row_bytes, (int)valid, k,
+                               panel + (g - p0) * k * 8, tmp);
+                }
+                for (int64_t t = 0; t < tblocks; t += 2)
+                    for (int64_t g = p0; g < p1; g += 2)
+                        tiles_2x2(xb, k, panel + (g - p0) * k * 8, m, t, t + 1 < tblocks, 16 * g, n, g + 1 < p1, y, ldy,
+                                  buf);
+            }
+            _tile_release();
+        }
+        free(panel);
+        free(tmp);
+    }
+    free(xb);
+    return err;
+#endif
+}
