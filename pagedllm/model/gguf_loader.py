@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import re
 from typing import Any
@@ -30,7 +31,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
-from pagedllm.kernels.cpu.quant import LOADABLE_TYPES, QuantizedWeight, q5_0_to_q8_0
+from pagedllm.kernels.cpu.quant import (
+    LOADABLE_TYPES,
+    SUPPORTED_TYPES,
+    QuantizedWeight,
+    mapped_bytes,
+    q5_0_to_q8_0,
+)
 from pagedllm.model.config import ModelConfig, unsupported_architecture_error
 from pagedllm.model.hf_loader import TensorSelector, check_selection, is_whole, meta_tensors
 
@@ -109,6 +116,30 @@ class _FastGGUFReader(GGUFReader):
         arr = plain[offset:end].view(dtype=dtype)[:count]
         order = self.byte_order if override_order is None else override_order
         return arr.view(arr.dtype.newbyteorder(order))
+
+
+# Start addresses of the file mappings whose bytes quantized weights are views of.
+_MAPPED_STORAGES: set[int] = set()
+
+
+def is_file_mapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of a GGUF file's memory map (a weight kept in place, not copied)."""
+    return tensor.untyped_storage().data_ptr() in _MAPPED_STORAGES
+
+
+def release_file_pages(reader: GGUFReader, offset: int, length: int) -> None:
+    """Unmap from this process the pages of file bytes ``[offset, offset + length)`` that were read
+    to make a copy (they stay in the page cache): what the copy replaces is then not resident twice.
+    Whole pages inside the range only; best effort (``madvise``, where Python offers it)."""
+    mapping = getattr(reader.data, "_mmap", None)
+    page = mmap.PAGESIZE
+    begin, end = -(-offset // page) * page, (offset + length) // page * page
+    if mapping is None or end <= begin or not hasattr(mapping, "madvise"):
+        return
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+    except (OSError, ValueError) as exc:
+        logger.debug("madvise(DONTNEED) of file bytes %d-%d failed: %s", begin, end, exc)
 
 
 def open_gguf(path: str) -> GGUFReader:
@@ -475,6 +506,8 @@ def load_gguf(
     config = gguf_config(reader, rope_freqs)
 
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    file_bytes = mapped_bytes(reader.data)
+    _MAPPED_STORAGES.add(file_bytes.untyped_storage().data_ptr())
     full_shapes: dict[str, tuple[int, ...]] = {}
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
@@ -500,10 +533,16 @@ def load_gguf(
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
         weight: QuantizedWeight | None = None
         if quantized:
-            weight = (
-                _selected_quantized(tensor, hf_name, index) if index else QuantizedWeight.from_gguf(tensor)
-            )
-            arr = weight.blocks.numpy()
+            if index:
+                weight = _selected_quantized(tensor, hf_name, index)
+            elif type_name in SUPPORTED_TYPES:  # a view of the file mapping: no copy
+                rows = int(math.prod(tensor.shape[1:]))
+                end = tensor.data_offset + tensor.n_bytes
+                blocks = file_bytes[tensor.data_offset : end].view(rows, -1)
+                weight = QuantizedWeight(type_name, (rows, int(tensor.shape[0])), blocks)
+            else:
+                weight = QuantizedWeight.from_gguf(tensor)
+            arr = mapped = weight.blocks.numpy()
         else:
             arr = _selected_f32(tensor, index) if index else _dequantize_f32(tensor)
         if gguf_arch == "llama" and tensor.name.endswith(_ROTARY_PERMUTED):
@@ -514,13 +553,18 @@ def load_gguf(
             if row_sliced:
                 heads = _selected_heads(hf_name, index[0], full_shapes[hf_name][0], config.head_dim)
             arr = unpermute_rotary_rows(arr, heads)
+            if weight is not None and not index:
+                release_file_pages(reader, tensor.data_offset, tensor.n_bytes)  # now a copy
         if gguf_arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm scales by the
             # weight); the model here scales by 1 + weight, as transformers does.
             arr = arr - np.float32(1.0)
         if weight is not None:
-            blocks = torch.from_numpy(np.ascontiguousarray(arr))
-            weights[hf_name] = QuantizedWeight(weight.type_name, weight.shape, blocks)
+            if arr is not mapped:
+                weight = QuantizedWeight(
+                    weight.type_name, weight.shape, torch.from_numpy(np.ascontiguousarray(arr))
+                )
+            weights[hf_name] = weight
         else:
             weights[hf_name] = torch.from_numpy(arr)
     if dequantized:

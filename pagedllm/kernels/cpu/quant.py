@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -120,9 +121,10 @@ class QuantizedWeight:
 
     @classmethod
     def from_gguf(cls, tensor: Any) -> QuantizedWeight:
-        """From a ``gguf.ReaderTensor`` (copied out of the file's memory map, still as blocks).
+        """From a ``gguf.ReaderTensor``: its blocks as they lie in the file's memory map (no copy; the
+        mapping is read-only and stays open while the weight lives).
 
-        A type of :data:`REPACKED_TYPES` comes back as its kernel type, with the same values."""
+        A type of :data:`REPACKED_TYPES` comes back as its kernel type, with the same values (a copy)."""
         type_name = tensor.tensor_type.name
         dims = [int(v) for v in tensor.shape]  # GGUF lists the row length (ne0) first
         in_features, out_features = dims[0], math.prod(dims[1:])
@@ -130,8 +132,18 @@ class QuantizedWeight:
             data = q5_0_to_q8_0(np.asarray(tensor.data, dtype=np.uint8).reshape(out_features, -1))
             return cls("Q8_0", (out_features, in_features), torch.from_numpy(data))
         check_supported(type_name)
-        data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(out_features, -1)
-        return cls(type_name, (out_features, in_features), torch.from_numpy(data))
+        return cls(type_name, (out_features, in_features), mapped_bytes(tensor.data).view(out_features, -1))
+
+
+def mapped_bytes(array: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over the bytes of ``array`` (a read-only view of a file mapping), without a copy.
+
+    torch has no read-only tensors; nothing in pagedllm writes into a weight's blocks (a write would
+    fault), so the warning torch gives for a read-only array is not shown."""
+    flat = np.asarray(array).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(flat)
 
 
 def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:

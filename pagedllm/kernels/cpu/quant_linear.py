@@ -20,20 +20,30 @@ from torch import nn
 from pagedllm.kernels.cpu.quant import QuantizedWeight, gather_rows, quant_matmul
 
 
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b``'s bytes start where ``a``'s end, in the same storage (a file's mapping)."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.data_ptr() + a.numel() == b.data_ptr()
+    )
+
+
 def _merge_parts(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
-    """Adjacent parts of one type joined into one weight (their rows stacked; the blocks copied once)."""
+    """Adjacent parts of one type whose blocks lie one after the other in one storage (tensors next to
+    each other in a GGUF file, mapped) joined into one weight: a view of both, nothing copied. Other
+    parts stay apart (a copy to join them would hold the weight twice while loading)."""
     merged: list[QuantizedWeight] = []
-    run: list[QuantizedWeight] = []
-    for part in [*parts, None]:
-        if part is not None and (not run or part.type_name == run[0].type_name):
-            run.append(part)
+    for part in parts:
+        last = merged[-1] if merged else None
+        if last is None or last.type_name != part.type_name or not _follows(last.blocks, part.blocks):
+            merged.append(part)
             continue
-        if len(run) == 1:
-            merged.append(run[0])
-        elif run:
-            blocks = torch.cat([p.blocks for p in run])
-            merged.append(QuantizedWeight(run[0].type_name, (blocks.shape[0], run[0].in_features), blocks))
-        run = [] if part is None else [part]
+        rows = last.out_features + part.out_features
+        width = last.blocks.shape[1]
+        blocks = torch.empty(0, dtype=torch.uint8).set_(
+            last.blocks.untyped_storage(), last.blocks.storage_offset(), (rows, width), (width, 1)
+        )
+        merged[-1] = QuantizedWeight(part.type_name, (rows, part.in_features), blocks)
     return merged
 
 
@@ -41,8 +51,9 @@ class QuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with ``W`` in GGUF blocks, float32 activations on the CPU.
 
     ``parts`` are weights of the same ``in_features`` stacked along the outputs in order (a fused
-    q/k/v projection whose q, k and v were quantized separately); adjacent parts of one type are
-    merged. ``bias``, when asked for, is a float32 parameter (filled by the checkpoint loader). The
+    q/k/v projection whose q, k and v were quantized separately); adjacent parts of one type whose
+    blocks follow each other in memory are merged (a view), the others multiplied one by one into
+    their columns of the output. ``bias``, when asked for, is a float32 parameter (filled by the checkpoint loader). The
     blocks are read-only after construction and shared with any other layer built on the same
     :class:`QuantizedWeight` (a tied LM head and its :class:`QuantEmbedding`).
     """
