@@ -11,7 +11,8 @@ in each block type (random valid blocks), at several row counts, times
 in one process, alternating, and prints the best time of each, the GFLOP/s and the ratio. The row
 threshold :data:`~pagedllm.kernels.cpu.quant.AMX_MIN_ROWS` was chosen from this table.
 
-Usage: ``python benchmarks/quant_amx.py [--threads 2] [--rows 8 16 24 32 48 64 512] [--types Q4_K Q6_K]``
+Usage: ``python benchmarks/quant_amx.py [--threads 2] [--rows 8 16 24 32 48 64 512] [--types Q4_K Q6_K]
+[--cpu-time]``
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from pagedllm.kernels.cpu.quant import amx_available, quant_matmul  # noqa: E402
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 
 
-def best_of(fn: Callable[[], object], repeats: int) -> float:
+def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
@@ -50,20 +51,27 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
     parser.add_argument("--shapes", nargs="+", default=["o", "gate_up"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by the process's CPU time (with --threads 1: robust to other processes on the machine)",
+    )
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     if not amx_available():
         sys.exit("AMX-BF16 is not available here.")
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}")
-    print(f"{'type':5} {'shape':8} {'rows':>5} {'int ms':>9} {'amx ms':>9} {'int GF/s':>9} {'amx GF/s':>9} {'amx/int':>8}")
+    head = ["int ms", "amx ms", "int GF/s", "amx GF/s", "amx/int"]
+    print(f"{'type':5} {'shape':8} {'rows':>5} " + " ".join(f"{h:>9}" for h in head))
     for type_name in args.types:
         for shape in args.shapes:
             n, k = SHAPES[shape]
             weight, _ = random_weight(type_name, n, k, seed=1)
             for rows in args.rows:
                 x = torch.randn(rows, k)
-                t_int = best_of(lambda: quant_matmul(x, weight, amx=False), args.repeats)
-                t_amx = best_of(lambda: quant_matmul(x, weight, amx=True), args.repeats)
+                t_int = best_of(lambda x=x, w=weight: quant_matmul(x, w, amx=False), args.repeats, clock)
+                t_amx = best_of(lambda x=x, w=weight: quant_matmul(x, w, amx=True), args.repeats, clock)
                 flops = 2.0 * rows * n * k
                 print(
                     f"{type_name:5} {shape:8} {rows:5d} {t_int * 1e3:9.2f} {t_amx * 1e3:9.2f} "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import re
 from typing import Any
@@ -35,10 +34,10 @@ from pagedllm.kernels.cpu.quant import (
     LOADABLE_TYPES,
     SUPPORTED_TYPES,
     QuantizedWeight,
-    mapped_bytes,
     q5_0_to_q8_0,
 )
 from pagedllm.model.config import ModelConfig, unsupported_architecture_error
+from pagedllm.model.gguf_mapping import map_file_bytes, release_file_pages
 from pagedllm.model.hf_loader import TensorSelector, check_selection, is_whole, meta_tensors
 
 logger = logging.getLogger(__name__)
@@ -116,30 +115,6 @@ class _FastGGUFReader(GGUFReader):
         arr = plain[offset:end].view(dtype=dtype)[:count]
         order = self.byte_order if override_order is None else override_order
         return arr.view(arr.dtype.newbyteorder(order))
-
-
-# Start addresses of the file mappings whose bytes quantized weights are views of.
-_MAPPED_STORAGES: set[int] = set()
-
-
-def is_file_mapped(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a view of a GGUF file's memory map (a weight kept in place, not copied)."""
-    return tensor.untyped_storage().data_ptr() in _MAPPED_STORAGES
-
-
-def release_file_pages(reader: GGUFReader, offset: int, length: int) -> None:
-    """Unmap from this process the pages of file bytes ``[offset, offset + length)`` that were read
-    to make a copy (they stay in the page cache): what the copy replaces is then not resident twice.
-    Whole pages inside the range only; best effort (``madvise``, where Python offers it)."""
-    mapping = getattr(reader.data, "_mmap", None)
-    page = mmap.PAGESIZE
-    begin, end = -(-offset // page) * page, (offset + length) // page * page
-    if mapping is None or end <= begin or not hasattr(mapping, "madvise"):
-        return
-    try:
-        mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
-    except (OSError, ValueError) as exc:
-        logger.debug("madvise(DONTNEED) of file bytes %d-%d failed: %s", begin, end, exc)
 
 
 def open_gguf(path: str) -> GGUFReader:
@@ -506,8 +481,7 @@ def load_gguf(
     config = gguf_config(reader, rope_freqs)
 
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    file_bytes = mapped_bytes(reader.data)
-    _MAPPED_STORAGES.add(file_bytes.untyped_storage().data_ptr())
+    file_bytes = map_file_bytes(reader)
     full_shapes: dict[str, tuple[int, ...]] = {}
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:

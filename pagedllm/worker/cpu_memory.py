@@ -111,7 +111,7 @@ def weight_memory(model: nn.Module) -> WeightMemory:
     """The bytes of ``model``'s parameters and quantized blocks, each tensor counted once (a tied LM
     head and its embedding share their blocks)."""
     from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
-    from pagedllm.model.gguf_loader import is_file_mapped
+    from pagedllm.model.gguf_mapping import is_file_mapped
 
     tensors: list[torch.Tensor] = [p for p in model.parameters()]
     for module in model.modules():

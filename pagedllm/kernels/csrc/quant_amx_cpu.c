@@ -220,13 +220,13 @@ static void fill_group(int64_t type, const uint8_t *w, int64_t row_bytes, int va
     }
 }
 
-/* Rows [r0, r1) of x (row stride ldx) as bfloat16 rows of k values (xb, row stride k). */
-static void round_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, uint16_t *xb)
+/* Rows [r0, r1) of x (row stride ldx) as bfloat16 rows of k values (xb, row stride xs). */
+static void round_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, uint16_t *xb, int64_t xs)
 {
     for (int64_t i = r0; i < r1; ++i)
         for (int64_t c = 0; c < k; c += 32) {
             const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * ldx + c + 16), _mm512_loadu_ps(x + i * ldx + c));
-            _mm512_storeu_si512(xb + i * k + c, (__m512i)v);
+            _mm512_storeu_si512(xb + i * xs + c, (__m512i)v);
         }
 }
 
@@ -254,20 +254,34 @@ static void copy_tile(const float *buf, float *y, int64_t ldy, int rows, int col
     for (int i = 0; i < rows; ++i) memcpy(y + i * ldy, buf + 16 * i, sizeof(float) * (size_t)cols);
 }
 
+/* Values of k per pass over a panel's groups: the A tiles of a pass (2 x 16 rows of x, 32 KiB) stay
+ * in L1 while the groups' B tiles stream from L2; the sums of the other passes wait in ``acc``. */
+#define K_PASS 512
+
 /* y tiles for token blocks (t, t + 1) x column groups (g, g + 1), each group's panel ``k * 16``
- * uint32 apart; ``two_t`` / ``two_g``: whether the second block / group exists. */
-static void tiles_2x2(const uint16_t *xb, int64_t k, const uint32_t *panel, int64_t m, int64_t t, int two_t,
-                      int64_t col0, int64_t n, int two_g, float *y, int64_t ldy, float *buf)
+ * uint32 apart; ``two_t`` / ``two_g``: whether the second block / group exists. Sums over k in
+ * [kc0, kc1), added to the 4 tiles' sums in ``acc`` (1024 floats) unless kc0 is 0, kept there
+ * unless kc1 is k, else stored to y. */
+static void tiles_2x2(const uint16_t *xb, int64_t xs, int64_t k, const uint32_t *panel, int64_t m, int64_t t, int two_t,
+                      int64_t col0, int64_t n, int two_g, float *y, int64_t ldy, float *buf, int64_t kc0, int64_t kc1,
+                      float *acc)
 {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint16_t *a0 = xb + 16 * t * k, *a1 = a0 + 16 * k;
+    if (kc0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, 64);
+        _tile_loadd(1, acc + 256, 64);
+        _tile_loadd(2, acc + 512, 64);
+        _tile_loadd(3, acc + 768, 64);
+    }
+    const uint16_t *a0 = xb + 16 * t * xs, *a1 = a0 + 16 * xs;
     const uint32_t *b0 = panel, *b1 = panel + 8 * k;
-    const int64_t lda = 2 * k;
+    const int64_t lda = 2 * xs;
     if (two_t && two_g) {
-        for (int64_t c = 0; c < k; c += 32) {
+        for (int64_t c = kc0; c < kc1; c += 32) {
             _tile_loadd(4, a0 + c, lda);
             _tile_loadd(6, b0 + c * 8, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -278,7 +292,7 @@ static void tiles_2x2(const uint16_t *xb, int64_t k, const uint32_t *panel, int6
             _tile_dpbf16ps(3, 5, 7);
         }
     } else {
-        for (int64_t c = 0; c < k; c += 32) {
+        for (int64_t c = kc0; c < kc1; c += 32) {
             _tile_loadd(4, a0 + c, lda);
             _tile_loadd(6, b0 + c * 8, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -292,6 +306,13 @@ static void tiles_2x2(const uint16_t *xb, int64_t k, const uint32_t *panel, int6
             }
         }
     }
+    if (kc1 < k) {
+        _tile_stored(0, acc, 64);
+        _tile_stored(1, acc + 256, 64);
+        _tile_stored(2, acc + 512, 64);
+        _tile_stored(3, acc + 768, 64);
+        return;
+    }
     for (int i = 0; i < 2; ++i) {
         if (i && !two_t) break;
         const int64_t r = 16 * (t + i);
@@ -301,22 +322,18 @@ static void tiles_2x2(const uint16_t *xb, int64_t k, const uint32_t *panel, int6
             const int64_t o = col0 + 16 * j;
             const int cols = (int)(n - o < 16 ? n - o : 16);
             float *dst = y + r * ldy + o;
-            if (rows == 16 && cols == 16) {
-                switch (2 * i + j) {
-                    case 0: _tile_stored(0, dst, ldy * 4); break;
-                    case 1: _tile_stored(1, dst, ldy * 4); break;
-                    case 2: _tile_stored(2, dst, ldy * 4); break;
-                    default: _tile_stored(3, dst, ldy * 4); break;
-                }
-            } else {
-                switch (2 * i + j) {
-                    case 0: _tile_stored(0, buf, 64); break;
-                    case 1: _tile_stored(1, buf, 64); break;
-                    case 2: _tile_stored(2, buf, 64); break;
-                    default: _tile_stored(3, buf, 64); break;
-                }
-                copy_tile(buf, dst, ldy, rows, cols);
+            switch (2 * i + j) {
+                case 0: _tile_stored(0, buf, 64); break;
+                case 1: _tile_stored(1, buf, 64); break;
+                case 2: _tile_stored(2, buf, 64); break;
+                default: _tile_stored(3, buf, 64); break;
             }
+            if (rows == 16 && cols == 16 && ((uintptr_t)dst & 63) == 0 && (ldy & 15) == 0)
+                /* streaming stores: y's rows, often a power of two apart, would otherwise crowd the
+                 * panel out of L2 (measured: 0.68x at 16384 columns) */
+                for (int r2 = 0; r2 < 16; ++r2) _mm512_stream_ps(dst + r2 * ldy, _mm512_load_ps(buf + 16 * r2));
+            else
+                copy_tile(buf, dst, ldy, rows, cols);
         }
     }
 }
@@ -332,11 +349,14 @@ int64_t amx_quant_available(void)
 #endif
 }
 
-/* Groups of 16 columns a thread dequantizes at once: the panel stays near 512 KiB (in L2). */
+#define PANEL_BYTES (1024 * 1024)
+
+/* Groups of 16 columns a thread dequantizes at once: a panel of up to 1 MiB (half of L2), so that x,
+ * which streams from L3 once per panel, is read as few times as L2 allows. */
 static int64_t panel_groups(int64_t k)
 {
-    const int64_t g = (512 * 1024) / (k * 32 > 0 ? k * 32 : 1);
-    return g < 2 ? 2 : g > 16 ? 16 : g & ~(int64_t)1;
+    const int64_t g = PANEL_BYTES / (k * 32 > 0 ? k * 32 : 1);
+    return g < 2 ? 2 : g > 32 ? 32 : g & ~(int64_t)1;
 }
 
 /* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T on the AMX tiles, W the [n, k] weight of
@@ -360,18 +380,20 @@ int64_t amx_quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, 
         return 0;
     }
     const int64_t row_bytes = k / qb * block_bytes(type), tblocks = (m + 15) / 16, groups = (n + 15) / 16;
-    uint16_t *xb = aligned_alloc(64, (size_t)(tblocks * 16 * k * 2 + 63) / 64 * 64);
+    /* x's rows 64 bytes longer than k values: a tile's 16 rows then fall in different L1 sets */
+    const int64_t xs = k + 32;
+    uint16_t *xb = aligned_alloc(64, (size_t)(tblocks * 16 * xs * 2));
     if (xb == NULL) return AERR_MEMORY;
-    memset(xb + m * k, 0, sizeof(uint16_t) * (size_t)((tblocks * 16 - m) * k));
+    memset(xb + m * xs, 0, sizeof(uint16_t) * (size_t)((tblocks * 16 - m) * xs));
     const int64_t pg = panel_groups(k);
     int err = 0;
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
-        round_rows(x, ldx, m * th / nt, m * (th + 1) / nt, k, xb);
+        round_rows(x, ldx, m * th / nt, m * (th + 1) / nt, k, xb, xs);
         uint32_t *panel = aligned_alloc(64, (size_t)(pg * k * 8 * 4));
-        float *tmp = aligned_alloc(64, sizeof(float) * 16 * (CHUNK + 16));
-        float *buf = tmp + 16 * CHUNK;
+        float *tmp = aligned_alloc(64, sizeof(float) * (16 * (CHUNK + 16) + (pg / 2 + 1) * 1024));
+        float *buf = tmp + 16 * CHUNK, *acc = buf + 256;
         if (panel == NULL || tmp == NULL) {
 #pragma omp atomic write
             err = AERR_MEMORY;
@@ -388,11 +410,15 @@ int64_t amx_quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, 
                                panel + (g - p0) * k * 8, tmp);
                 }
                 for (int64_t t = 0; t < tblocks; t += 2)
-                    for (int64_t g = p0; g < p1; g += 2)
-                        tiles_2x2(xb, k, panel + (g - p0) * k * 8, m, t, t + 1 < tblocks, 16 * g, n, g + 1 < p1, y, ldy,
-                                  buf);
+                    for (int64_t kc0 = 0; kc0 < k; kc0 += K_PASS) {
+                        const int64_t kc1 = kc0 + K_PASS < k ? kc0 + K_PASS : k;
+                        for (int64_t g = p0; g < p1; g += 2)
+                            tiles_2x2(xb, xs, k, panel + (g - p0) * k * 8, m, t, t + 1 < tblocks, 16 * g, n, g + 1 < p1,
+                                      y, ldy, buf, kc0, kc1, acc + (g - p0) / 2 * 1024);
+                    }
             }
             _tile_release();
+            _mm_sfence(); /* the streaming stores are visible before the region ends */
         }
         free(panel);
         free(tmp);
