@@ -52,7 +52,7 @@ _ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX2 + AVX-VNNI", 3: "AVX-512 VNNI
 
 # Rows from which :func:`quant_matmul` takes the AMX bfloat16 tiles where the CPU has them, by values
 # per block: below, dequantizing the weight costs more than the tiles save (docs/PERFORMANCE.md).
-AMX_MIN_ROWS: dict[int, int] = {32: 48, 256: 24}
+AMX_MIN_ROWS: dict[int, int] = {32: 48, 256: 16}
 
 
 def check_supported(type_name: str) -> None:

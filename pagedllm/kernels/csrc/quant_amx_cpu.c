@@ -4,13 +4,14 @@
  * Q6_K), for prompts: where m is large the integer kernels are bound by their arithmetic, and one
  * AMX tile instruction does 16 x 16 x 32 multiply-adds.
  *
- * How: x is rounded to bfloat16 once (rows padded with zeros to a multiple of 16). Each thread takes
- * a contiguous range of groups of 16 output columns and walks it in panels of a few groups; a
- * panel's weight rows are dequantized (float32, then rounded to bfloat16) into a per-thread scratch
- * buffer in the tile units' pair-interleaved layout (for a group: [k / 2][16 columns][2]), so that
- * no float copy of the weight outlives the call and the weight is expanded once per product; then
- * 2 x 2 tiles of 16 rows x 16 columns accumulate in float32 over k in steps of 32 (TDPBF16PS), rows
- * of x in the A tiles, the panel in the B tiles.
+ * How: x is rounded to bfloat16 once, in the tile units' pair-interleaved layout (for each block of
+ * 16 rows, padded with zero rows: [k / 2][16 rows][2]). Each thread takes a contiguous range of groups
+ * of 16 output columns and walks it in panels of up to 1 MiB; a panel's weight rows are dequantized
+ * (float32, then rounded to bfloat16) into a per-thread scratch buffer, row by row as they are
+ * stored, so that no float copy of the weight outlives the call and the weight is expanded once per
+ * product. Then 2 x 2 tiles of 16 columns x 16 rows accumulate in float32 over k in steps of 32
+ * (TDPBF16PS), the panel's rows in the A tiles, x in the B tiles, in passes of 512 values of k (the
+ * B tiles of a pass stay in L1); each finished tile is transposed into y with streaming stores.
  *
  * Numbers: each product term is x and W rounded to bfloat16 (8 significant bits, relative error at
  * most 2^-9 each), multiplied exactly and summed in float32 in an order fixed by k alone, so a row's
@@ -19,7 +20,7 @@
  *
  * Compiled only where the compiler targets AMX-BF16 (gcc/clang with -march=native on such a CPU); at
  * run time the tile data must also be granted by Linux (arch_prctl ARCH_REQ_XCOMP_PERM), which
- * amx_quant_available() asks for once. amx_quant_matmul_f32 returns ERR_NO_AMX where either is
+ * amx_quant_available() asks for once. amx_quant_matmul_f32 returns AERR_NO_AMX where either is
  * missing, and the caller takes the integer kernels.
  */
 #define _GNU_SOURCE
@@ -91,16 +92,22 @@ INLINE __m512 u8_to_ps(__m128i v) /* 16 bytes, unsigned */
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
-/* 32 values of one sub-block: out[l] = a * q[l] + b for the 32 unsigned quants in q. */
-INLINE void affine32(__m256i q, float a, float b, float *out)
+/* 32 floats (lo: values 0-15, hi: 16-31) as bfloat16 at out (rounded to nearest even). */
+INLINE void put32(__m512 lo, __m512 hi, uint16_t *out)
 {
-    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
-    _mm512_storeu_ps(out, _mm512_fmadd_ps(u8_to_ps(_mm256_castsi256_si128(q)), va, vb));
-    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(u8_to_ps(_mm256_extracti128_si256(q, 1)), va, vb));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-/* One block of ``type`` at w as float32 (32 or 256 values). */
-static void dequant_block(int64_t type, const uint8_t *w, float *out)
+/* 32 values of one sub-block: out[l] = a * q[l] + b for the 32 unsigned quants in q. */
+INLINE void affine32(__m256i q, float a, float b, uint16_t *out)
+{
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+    put32(_mm512_fmadd_ps(u8_to_ps(_mm256_castsi256_si128(q)), va, vb),
+          _mm512_fmadd_ps(u8_to_ps(_mm256_extracti128_si256(q, 1)), va, vb), out);
+}
+
+/* One block of ``type`` at w as bfloat16 (32 or 256 values; each computed in float32 first). */
+static void dequant_block(int64_t type, const uint8_t *w, uint16_t *out)
 {
     const __m256i m0f = _mm256_set1_epi8(15);
     switch (type) {
@@ -113,8 +120,8 @@ static void dequant_block(int64_t type, const uint8_t *w, float *out)
         case AQ8_0: {
             const __m512 d = _mm512_set1_ps(h2f(w));
             const __m128i q0 = _mm_loadu_si128((const __m128i *)(w + 2)), q1 = _mm_loadu_si128((const __m128i *)(w + 18));
-            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
-            _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+            put32(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d), out);
             break;
         }
         case AQ4_K: case AQ5_K: {
@@ -151,12 +158,12 @@ static void dequant_block(int64_t type, const uint8_t *w, float *out)
                     if (kk >= 2) l = _mm256_srli_epi16(l, 4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * kk), _mm256_set1_epi8(3));
                     const __m256i q = _mm256_or_si256(_mm256_and_si256(l, m0f), _mm256_slli_epi16(hi, 4));
-                    float *o = out + 128 * h + 32 * kk;
                     const float d0 = d * (float)sc[8 * h + 2 * kk], d1 = d * (float)sc[8 * h + 2 * kk + 1];
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(u8_to_ps(_mm256_castsi256_si128(q)), _mm512_set1_ps(d0),
-                                                        _mm512_set1_ps(-32.0f * d0)));
-                    _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(u8_to_ps(_mm256_extracti128_si256(q, 1)),
-                                                             _mm512_set1_ps(d1), _mm512_set1_ps(-32.0f * d1)));
+                    put32(_mm512_fmadd_ps(u8_to_ps(_mm256_castsi256_si128(q)), _mm512_set1_ps(d0),
+                                          _mm512_set1_ps(-32.0f * d0)),
+                          _mm512_fmadd_ps(u8_to_ps(_mm256_extracti128_si256(q, 1)), _mm512_set1_ps(d1),
+                                          _mm512_set1_ps(-32.0f * d1)),
+                          out + 128 * h + 32 * kk);
                 }
             }
             break;
@@ -192,41 +199,36 @@ INLINE void transpose16(__m512i r[16])
     for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-#define CHUNK 256 /* values of k dequantized per step (one K block, or 8 of the 32-value blocks) */
-
-/* The group of 16 weight rows w[c0 .. c0 + valid) (zeros past ``valid``) as bfloat16 pairs:
- * out[(k / 2) * 16 + col] holds values (k, k + 1) of column col. ``tmp`` is 16 * CHUNK floats. */
-static void fill_group(int64_t type, const uint8_t *w, int64_t row_bytes, int valid, int64_t k, uint32_t *out,
-                       float *tmp)
+/* The group of 16 weight rows w[c0 .. c0 + valid) (zeros past ``valid``) as bfloat16 rows of k values,
+ * ``ps`` apart: the A tiles of its products. */
+static void fill_group(int64_t type, const uint8_t *w, int64_t row_bytes, int valid, int64_t k, uint16_t *out,
+                       int64_t ps)
 {
     const int qb = block_values(type), bb = block_bytes(type);
-    const int64_t chunk = k % CHUNK ? qb : CHUNK;
-    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
-        for (int r = 0; r < 16; ++r) {
-            if (r < valid)
-                for (int64_t v = 0; v < chunk; v += qb)
-                    dequant_block(type, w + r * row_bytes + (k0 + v) / qb * bb, tmp + r * CHUNK + v);
-            else
-                memset(tmp + r * CHUNK, 0, sizeof(float) * (size_t)chunk);
-        }
-        for (int64_t s = 0; s < chunk; s += 32) {
-            __m512i v[16];
-            for (int r = 0; r < 16; ++r)
-                v[r] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + r * CHUNK + s + 16),
-                                                     _mm512_loadu_ps(tmp + r * CHUNK + s));
-            transpose16(v);
-            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + ((k0 + s) / 2 + i) * 16, v[i]);
-        }
+    for (int r = 0; r < 16; ++r) {
+        if (r < valid)
+            for (int64_t b = 0; b < k / qb; ++b) dequant_block(type, w + r * row_bytes + b * bb, out + r * ps + b * qb);
+        else
+            memset(out + r * ps, 0, sizeof(uint16_t) * (size_t)k);
     }
 }
 
-/* Rows [r0, r1) of x (row stride ldx) as bfloat16 rows of k values (xb, row stride xs). */
-static void round_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, uint16_t *xb, int64_t xs)
+/* Token blocks [t0, t1) of x (16 rows each, zeros past row m; row stride ldx) as bfloat16 pairs, the
+ * B tiles of the products: block t at xp + t * k * 8, where word (k / 2) * 16 + i holds values
+ * (k, k + 1) of its row i. */
+static void pack_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t t0, int64_t t1, uint32_t *xp)
 {
-    for (int64_t i = r0; i < r1; ++i)
+    for (int64_t t = t0; t < t1; ++t)
         for (int64_t c = 0; c < k; c += 32) {
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * ldx + c + 16), _mm512_loadu_ps(x + i * ldx + c));
-            _mm512_storeu_si512(xb + i * xs + c, (__m512i)v);
+            __m512i v[16];
+            for (int r = 0; r < 16; ++r) {
+                const int64_t row = 16 * t + r;
+                v[r] = row < m ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + row * ldx + c + 16),
+                                                               _mm512_loadu_ps(x + row * ldx + c))
+                               : _mm512_setzero_si512();
+            }
+            transpose16(v);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(xp + t * k * 8 + (c / 2 + i) * 16, v[i]);
         }
 }
 
@@ -248,21 +250,28 @@ static void configure_tiles(void)
     _tile_loadconfig(&cfg);
 }
 
-/* Copy the valid part of a 16 x 16 float tile from buf to y. */
-static void copy_tile(const float *buf, float *y, int64_t ldy, int rows, int cols)
-{
-    for (int i = 0; i < rows; ++i) memcpy(y + i * ldy, buf + 16 * i, sizeof(float) * (size_t)cols);
-}
-
-/* Values of k per pass over a panel's groups: the A tiles of a pass (2 x 16 rows of x, 32 KiB) stay
- * in L1 while the groups' B tiles stream from L2; the sums of the other passes wait in ``acc``. */
+/* Values of k per pass over a panel's groups: the B tiles of a pass (2 x 16 rows of x, 32 KiB) stay
+ * in L1 while the groups' A tiles stream from L2; the sums of the other passes wait in ``acc``. */
 #define K_PASS 512
 
-/* y tiles for token blocks (t, t + 1) x column groups (g, g + 1), each group's panel ``k * 16``
- * uint32 apart; ``two_t`` / ``two_g``: whether the second block / group exists. Sums over k in
- * [kc0, kc1), added to the 4 tiles' sums in ``acc`` (1024 floats) unless kc0 is 0, kept there
- * unless kc1 is k, else stored to y. */
-static void tiles_2x2(const uint16_t *xb, int64_t xs, int64_t k, const uint32_t *panel, int64_t m, int64_t t, int two_t,
+/* Tile s (0-3) stored to buf (16 x 16 floats, 64 bytes a row). */
+INLINE void store_tile(int s, float *buf)
+{
+    switch (s) {
+        case 0: _tile_stored(0, buf, 64); break;
+        case 1: _tile_stored(1, buf, 64); break;
+        case 2: _tile_stored(2, buf, 64); break;
+        default: _tile_stored(3, buf, 64); break;
+    }
+}
+
+/* y for column groups (g, g + 1) x token blocks (t, t + 1): ``a`` is group g's 16 bfloat16 weight
+ * rows (``ps`` apart; group g + 1's follow), ``b`` token block t's pairs (block t + 1's k * 8 words
+ * on); ``two_g`` / ``two_t``: whether the second group / block exists. Tile 2 * i + j sums group
+ * g + i times block t + j over k in [kc0, kc1), added to the sums in ``acc`` (1024 floats) unless kc0
+ * is 0, kept there unless kc1 is k, else transposed and stored to y's rows 16 (t + j) .. and
+ * columns col0 + 16 i ... */
+static void tiles_2x2(const uint16_t *a, int64_t ps, const uint32_t *b, int64_t k, int64_t m, int64_t t, int two_t,
                       int64_t col0, int64_t n, int two_g, float *y, int64_t ldy, float *buf, int64_t kc0, int64_t kc1,
                       float *acc)
 {
@@ -277,9 +286,9 @@ static void tiles_2x2(const uint16_t *xb, int64_t xs, int64_t k, const uint32_t 
         _tile_loadd(2, acc + 512, 64);
         _tile_loadd(3, acc + 768, 64);
     }
-    const uint16_t *a0 = xb + 16 * t * xs, *a1 = a0 + 16 * xs;
-    const uint32_t *b0 = panel, *b1 = panel + 8 * k;
-    const int64_t lda = 2 * xs;
+    const uint16_t *a0 = a, *a1 = a + 16 * ps;
+    const uint32_t *b0 = b, *b1 = b + k * 8;
+    const int64_t lda = 2 * ps;
     if (two_t && two_g) {
         for (int64_t c = kc0; c < kc1; c += 32) {
             _tile_loadd(4, a0 + c, lda);
@@ -296,11 +305,11 @@ static void tiles_2x2(const uint16_t *xb, int64_t xs, int64_t k, const uint32_t 
             _tile_loadd(4, a0 + c, lda);
             _tile_loadd(6, b0 + c * 8, 64);
             _tile_dpbf16ps(0, 4, 6);
-            if (two_g) {
+            if (two_t) {
                 _tile_loadd(7, b1 + c * 8, 64);
                 _tile_dpbf16ps(1, 4, 7);
             }
-            if (two_t) {
+            if (two_g) {
                 _tile_loadd(5, a1 + c, lda);
                 _tile_dpbf16ps(2, 5, 6);
             }
@@ -314,26 +323,25 @@ static void tiles_2x2(const uint16_t *xb, int64_t xs, int64_t k, const uint32_t 
         return;
     }
     for (int i = 0; i < 2; ++i) {
-        if (i && !two_t) break;
-        const int64_t r = 16 * (t + i);
-        const int rows = (int)(m - r < 16 ? m - r : 16);
+        if (i && !two_g) break;
+        const int64_t o = col0 + 16 * i;
+        const int cols = (int)(n - o < 16 ? n - o : 16);
         for (int j = 0; j < 2; ++j) {
-            if (j && !two_g) break;
-            const int64_t o = col0 + 16 * j;
-            const int cols = (int)(n - o < 16 ? n - o : 16);
+            if (j && !two_t) break;
+            const int64_t r = 16 * (t + j);
+            const int rows = (int)(m - r < 16 ? m - r : 16);
+            store_tile(2 * i + j, buf);
+            __m512i v[16];
+            for (int q = 0; q < 16; ++q) v[q] = _mm512_load_si512(buf + 16 * q);
+            transpose16(v); /* row q: token r + q, the 16 columns */
             float *dst = y + r * ldy + o;
-            switch (2 * i + j) {
-                case 0: _tile_stored(0, buf, 64); break;
-                case 1: _tile_stored(1, buf, 64); break;
-                case 2: _tile_stored(2, buf, 64); break;
-                default: _tile_stored(3, buf, 64); break;
-            }
             if (rows == 16 && cols == 16 && ((uintptr_t)dst & 63) == 0 && (ldy & 15) == 0)
                 /* streaming stores: y's rows, often a power of two apart, would otherwise crowd the
                  * panel out of L2 (measured: 0.68x at 16384 columns) */
-                for (int r2 = 0; r2 < 16; ++r2) _mm512_stream_ps(dst + r2 * ldy, _mm512_load_ps(buf + 16 * r2));
+                for (int q = 0; q < 16; ++q) _mm512_stream_ps(dst + q * ldy, _mm512_castsi512_ps(v[q]));
             else
-                copy_tile(buf, dst, ldy, rows, cols);
+                for (int q = 0; q < rows; ++q)
+                    _mm512_mask_storeu_ps(dst + q * ldy, (__mmask16)((1u << cols) - 1), _mm512_castsi512_ps(v[q]));
         }
     }
 }
@@ -380,21 +388,19 @@ int64_t amx_quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, 
         return 0;
     }
     const int64_t row_bytes = k / qb * block_bytes(type), tblocks = (m + 15) / 16, groups = (n + 15) / 16;
-    /* x's rows 64 bytes longer than k values: a tile's 16 rows then fall in different L1 sets */
-    const int64_t xs = k + 32;
-    uint16_t *xb = aligned_alloc(64, (size_t)(tblocks * 16 * xs * 2));
-    if (xb == NULL) return AERR_MEMORY;
-    memset(xb + m * xs, 0, sizeof(uint16_t) * (size_t)((tblocks * 16 - m) * xs));
-    const int64_t pg = panel_groups(k);
+    uint32_t *xp = aligned_alloc(64, (size_t)(tblocks * k * 8 * 4));
+    if (xp == NULL) return AERR_MEMORY;
+    /* A panel's rows 64 bytes longer than k values: a tile's 16 rows then fall in different L1 sets */
+    const int64_t pg = panel_groups(k), ps = k + 32;
     int err = 0;
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
-        round_rows(x, ldx, m * th / nt, m * (th + 1) / nt, k, xb, xs);
-        uint32_t *panel = aligned_alloc(64, (size_t)(pg * k * 8 * 4));
-        float *tmp = aligned_alloc(64, sizeof(float) * (16 * (CHUNK + 16) + (pg / 2 + 1) * 1024));
-        float *buf = tmp + 16 * CHUNK, *acc = buf + 256;
-        if (panel == NULL || tmp == NULL) {
+        pack_rows(x, ldx, m, k, tblocks * th / nt, tblocks * (th + 1) / nt, xp);
+        uint16_t *panel = aligned_alloc(64, (size_t)(pg * 16 * ps * 2));
+        float *buf = aligned_alloc(64, sizeof(float) * (256 + (pg / 2 + 1) * 1024));
+        float *acc = buf + 256;
+        if (panel == NULL || buf == NULL) {
 #pragma omp atomic write
             err = AERR_MEMORY;
         }
@@ -407,23 +413,23 @@ int64_t amx_quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, 
                 for (int64_t g = p0; g < p1; ++g) {
                     const int64_t c0 = 16 * g, valid = n - c0 < 16 ? n - c0 : 16;
                     fill_group(type, (const uint8_t *)w + c0 * row_bytes, row_bytes, (int)valid, k,
-                               panel + (g - p0) * k * 8, tmp);
+                               panel + (g - p0) * 16 * ps, ps);
                 }
                 for (int64_t t = 0; t < tblocks; t += 2)
                     for (int64_t kc0 = 0; kc0 < k; kc0 += K_PASS) {
                         const int64_t kc1 = kc0 + K_PASS < k ? kc0 + K_PASS : k;
                         for (int64_t g = p0; g < p1; g += 2)
-                            tiles_2x2(xb, xs, k, panel + (g - p0) * k * 8, m, t, t + 1 < tblocks, 16 * g, n, g + 1 < p1,
-                                      y, ldy, buf, kc0, kc1, acc + (g - p0) / 2 * 1024);
+                            tiles_2x2(panel + (g - p0) * 16 * ps, ps, xp + t * k * 8, k, m, t, t + 1 < tblocks, 16 * g,
+                                      n, g + 1 < p1, y, ldy, buf, kc0, kc1, acc + (g - p0) / 2 * 1024);
                     }
             }
             _tile_release();
             _mm_sfence(); /* the streaming stores are visible before the region ends */
         }
         free(panel);
-        free(tmp);
+        free(buf);
     }
-    free(xb);
+    free(xp);
     return err;
 #endif
 }
