@@ -514,11 +514,13 @@ def load_gguf(
                 end = tensor.data_offset + tensor.n_bytes
                 blocks = file_bytes[tensor.data_offset : end].view(rows, -1)
                 weight = QuantizedWeight(type_name, (rows, int(tensor.shape[0])), blocks)
-            else:
+            else:  # repacked (Q5_0 as Q8_0): a copy
                 weight = QuantizedWeight.from_gguf(tensor)
+                release_file_pages(reader, tensor.data_offset, tensor.n_bytes)
             arr = mapped = weight.blocks.numpy()
-        else:
+        else:  # float32 copies: the file pages read for them are not kept
             arr = _selected_f32(tensor, index) if index else _dequantize_f32(tensor)
+            release_file_pages(reader, tensor.data_offset, tensor.n_bytes)
         if gguf_arch == "llama" and tensor.name.endswith(_ROTARY_PERMUTED):
             # Whole rows move (a quantized row's blocks with it), within each head: the selected
             # rows (whole heads) are unpermuted by themselves.

@@ -3,8 +3,9 @@
 :func:`map_file_bytes` gives a file's bytes as one uint8 tensor (the reader's mapping, no copy) from
 which the loader slices each quantized weight; :func:`is_file_mapped` tells such views from copies
 (for the start-up memory log); :func:`release_file_pages` drops from the process the pages of a
-tensor the loader had to copy (the llama q/k projections, whose rows it reorders), so that they are
-not resident twice.
+tensor the loader had to copy (the llama q/k projections, whose rows it reorders; tensors
+dequantized to float32), so that they are not resident twice. Dropping is always safe: the map is
+shared and read-only, so a page read again comes back from the file.
 """
 
 from __future__ import annotations
