@@ -5,8 +5,8 @@
  * AMX tile instruction does 16 x 16 x 32 multiply-adds.
  *
  * How: x is rounded to bfloat16 once, in the tile units' pair-interleaved layout (for each block of
- * 16 rows, padded with zero rows: [k / 2][16 rows][2]). Each thread takes a contiguous range of groups
- * of 16 output columns and walks it in panels of up to 1 MiB; a panel's weight rows are dequantized
+ * 16 rows, padded with zero rows: [k / 2][16 rows][2]). The threads take panels of groups of 16 output
+ * columns (up to 1 MiB, about three per thread) one at a time; a panel's weight rows are dequantized
  * (float32, then rounded to bfloat16) into a per-thread scratch buffer, row by row as they are
  * stored, so that no float copy of the weight outlives the call and the weight is expanded once per
  * product. Then 2 x 2 tiles of 16 columns x 16 rows accumulate in float32 over k in steps of 32
@@ -405,11 +405,16 @@ int64_t amx_quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, 
             err = AERR_MEMORY;
         }
 #pragma omp barrier
-        const int64_t g0 = groups * th / nt, g1 = groups * (th + 1) / nt;
-        if (!err && g1 > g0) {
+        if (!err) { /* (err is the same for every thread after the barrier) */
             configure_tiles();
-            for (int64_t p0 = g0; p0 < g1; p0 += pg) {
-                const int64_t p1 = p0 + pg < g1 ? p0 + pg : g1;
+            /* Panels handed out one at a time, about three per thread: a thread that the OS sets
+             * aside (another process on its core) leaves its share to the others. */
+            int64_t chunk = groups / (3 * nt) & ~(int64_t)1;
+            chunk = chunk < 2 ? 2 : chunk > pg ? pg : chunk;
+            const int64_t panels = (groups + chunk - 1) / chunk;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t pi = 0; pi < panels; ++pi) {
+                const int64_t p0 = pi * chunk, p1 = p0 + chunk < groups ? p0 + chunk : groups;
                 for (int64_t g = p0; g < p1; ++g) {
                     const int64_t c0 = 16 * g, valid = n - c0 < 16 ? n - c0 : 16;
                     fill_group(type, (const uint8_t *)w + c0 * row_bytes, row_bytes, (int)valid, k,
