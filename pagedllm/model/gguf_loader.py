@@ -30,8 +30,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
-from pagedllm.kernels.cpu.quant import LOADABLE_TYPES, QuantizedWeight, q5_0_to_q8_0
+from pagedllm.kernels.cpu.quant import (
+    LOADABLE_TYPES,
+    SUPPORTED_TYPES,
+    QuantizedWeight,
+    q5_0_to_q8_0,
+)
 from pagedllm.model.config import ModelConfig, unsupported_architecture_error
+from pagedllm.model.gguf_mapping import map_file_bytes, release_file_pages
 from pagedllm.model.hf_loader import TensorSelector, check_selection, is_whole, meta_tensors
 
 logger = logging.getLogger(__name__)
@@ -475,6 +481,7 @@ def load_gguf(
     config = gguf_config(reader, rope_freqs)
 
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    file_bytes = map_file_bytes(reader)
     full_shapes: dict[str, tuple[int, ...]] = {}
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
@@ -500,12 +507,20 @@ def load_gguf(
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
         weight: QuantizedWeight | None = None
         if quantized:
-            weight = (
-                _selected_quantized(tensor, hf_name, index) if index else QuantizedWeight.from_gguf(tensor)
-            )
-            arr = weight.blocks.numpy()
-        else:
+            if index:
+                weight = _selected_quantized(tensor, hf_name, index)
+            elif type_name in SUPPORTED_TYPES:  # a view of the file mapping: no copy
+                rows = int(math.prod(tensor.shape[1:]))
+                end = tensor.data_offset + tensor.n_bytes
+                blocks = file_bytes[tensor.data_offset : end].view(rows, -1)
+                weight = QuantizedWeight(type_name, (rows, int(tensor.shape[0])), blocks)
+            else:  # repacked (Q5_0 as Q8_0): a copy
+                weight = QuantizedWeight.from_gguf(tensor)
+                release_file_pages(reader, tensor.data_offset, tensor.n_bytes)
+            arr = mapped = weight.blocks.numpy()
+        else:  # float32 copies: the file pages read for them are not kept
             arr = _selected_f32(tensor, index) if index else _dequantize_f32(tensor)
+            release_file_pages(reader, tensor.data_offset, tensor.n_bytes)
         if gguf_arch == "llama" and tensor.name.endswith(_ROTARY_PERMUTED):
             # Whole rows move (a quantized row's blocks with it), within each head: the selected
             # rows (whole heads) are unpermuted by themselves.
@@ -514,13 +529,18 @@ def load_gguf(
             if row_sliced:
                 heads = _selected_heads(hf_name, index[0], full_shapes[hf_name][0], config.head_dim)
             arr = unpermute_rotary_rows(arr, heads)
+            if weight is not None and not index:
+                release_file_pages(reader, tensor.data_offset, tensor.n_bytes)  # now a copy
         if gguf_arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm scales by the
             # weight); the model here scales by 1 + weight, as transformers does.
             arr = arr - np.float32(1.0)
         if weight is not None:
-            blocks = torch.from_numpy(np.ascontiguousarray(arr))
-            weights[hf_name] = QuantizedWeight(weight.type_name, weight.shape, blocks)
+            if arr is not mapped:
+                weight = QuantizedWeight(
+                    weight.type_name, weight.shape, torch.from_numpy(np.ascontiguousarray(arr))
+                )
+            weights[hf_name] = weight
         else:
             weights[hf_name] = torch.from_numpy(arr)
     if dequantized:

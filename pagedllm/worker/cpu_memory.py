@@ -11,17 +11,22 @@ The paged KV cache is read block by block at scattered addresses; :func:`advise_
 for transparent huge pages for it, so that those reads miss the TLB far less often.
 
 Both are best effort: elsewhere (another C library, another OS) they do nothing.
+
+:func:`weight_memory` and :func:`anonymous_resident_bytes` account for the start-up log's split of
+memory into weights (mapped from the GGUF file or copied), KV cache and the rest.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import logging
 import sys
 
 import torch
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -87,3 +92,54 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     if length <= 0:
         return False
     return bool(libc.madvise(aligned, length, _MADV_HUGEPAGE) == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightMemory:
+    """Bytes of a model's weights: ``mapped`` are views of the checkpoint file's memory map (resident
+    as they are read, shared with the page cache), ``copied`` live in the process's own memory."""
+
+    mapped: int
+    copied: int
+
+    @property
+    def total(self) -> int:
+        return self.mapped + self.copied
+
+
+def weight_memory(model: nn.Module) -> WeightMemory:
+    """The bytes of ``model``'s parameters and quantized blocks, each tensor counted once (a tied LM
+    head and its embedding share their blocks)."""
+    from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
+    from pagedllm.model.gguf_mapping import is_file_mapped
+
+    tensors: list[torch.Tensor] = [p for p in model.parameters()]
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            tensors.extend(part.blocks for part in module.parts)
+        elif isinstance(module, QuantEmbedding):
+            tensors.append(module.table.blocks)
+    seen: set[tuple[int, int]] = set()
+    mapped = copied = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if (t.data_ptr(), size) in seen or t.device.type != "cpu":
+            continue
+        seen.add((t.data_ptr(), size))
+        if is_file_mapped(t):
+            mapped += size
+        else:
+            copied += size
+    return WeightMemory(mapped, copied)
+
+
+def anonymous_resident_bytes() -> int | None:
+    """This process's resident anonymous memory (``RssAnon``), or None where Linux's /proc is not."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -24,6 +24,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
 from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
+from pagedllm.worker.cpu_memory import anonymous_resident_bytes, weight_memory
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagedllm.worker.phase_times import StepPhaseTimes
@@ -45,6 +46,7 @@ class Executor:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
+        anon_before = anonymous_resident_bytes()
         self.device = self._resolve_device(config)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_before_loading(config.quantization, self.device, self.dtype)
@@ -88,6 +90,8 @@ class Executor:
         del ckpt, weights
         self.num_kv_blocks = self._agree_kv_blocks(self._num_kv_blocks())
         self.runner.allocate_kv_cache(self.num_kv_blocks)
+        if self.device.type == "cpu":
+            self._log_cpu_memory(anon_before)
         # The host tier (``swap_space`` GiB of blocks laid out as the device's), with the figures
         # ``auto`` preemption weighs, measured here.
         self.host_kv: HostKVCache | None = None
@@ -104,6 +108,27 @@ class Executor:
         elif self.device.type == "cpu" and not config.enforce_eager:
             self.runner.enable_native_decode()
         self.load_time_s = time.perf_counter() - started
+
+    def _log_cpu_memory(self, anon_before: int | None) -> None:
+        """Log the weights' bytes (mapped from the file, copied), the KV cache's and the rest: the
+        resident anonymous memory start-up added, less the copied weights (the KV cache is not yet
+        touched: it becomes resident as it fills)."""
+        weights = weight_memory(self.runner.model)
+        anon_after = anonymous_resident_bytes()
+        other = (
+            "?"
+            if anon_before is None or anon_after is None
+            else f"{(anon_after - anon_before - weights.copied) / 2**20:.0f}"
+        )
+        logger.info(
+            "CPU memory: weights %.0f MiB (%.0f MiB mapped from the checkpoint file, %.0f MiB copied), "
+            "KV cache %.0f MiB, other %s MiB",
+            weights.total / 2**20,
+            weights.mapped / 2**20,
+            weights.copied / 2**20,
+            self.kv_cache_bytes / 2**20,
+            other,
+        )
 
     # Hooks of executors whose ranks each hold a shard (pagedllm.worker.parallel_executor).
     def _resolve_device(self, config: EngineConfig) -> torch.device:

@@ -36,6 +36,7 @@ from pagedllm.kernels.cpu.library import kernels_available, load_library
 from pagedllm.kernels.cpu.quant import (
     SUPPORTED_TYPES,
     QuantizedWeight,
+    amx_available,
     block_size,
     check_supported,
     dequantize,
@@ -125,7 +126,7 @@ def test_matmul_matches_reference(type_name: str, rows: int) -> None:
     for i, (n, k) in enumerate(shapes):
         weight, w = random_weight(type_name, n, k, seed=10 * rows + i)
         x = random_input(rows, k, block_size(type_name), seed=rows + i)
-        simd = quant_matmul(x, weight)
+        simd = quant_matmul(x, weight, amx=False)  # (the AMX path: test_quant_amx.py)
         portable = quant_matmul(x, weight, portable=True)
         assert simd.shape == (rows, n) and simd.dtype == torch.float32
         assert_product_close(simd, x, w, type_name)
@@ -138,18 +139,19 @@ def test_matmul_matches_reference(type_name: str, rows: int) -> None:
 @needs_kernels
 @pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
 def test_rows_are_independent(type_name: str) -> None:
-    """Row i's output is bitwise the same alone, in any batch and with any number of threads."""
+    """On the integer path, row i's output is bitwise the same alone, in any batch and with any number of
+    threads (the AMX path, which products of many rows take by default: test_quant_amx.py)."""
     block = block_size(type_name)
     weight, _ = random_weight(type_name, 37, 3 * block, seed=5)
     x = random_input(300, 3 * block, block, seed=6)
-    batch = quant_matmul(x, weight)
-    alone = torch.cat([quant_matmul(x[i : i + 1], weight) for i in range(300)])
+    batch = quant_matmul(x, weight, amx=False)
+    alone = torch.cat([quant_matmul(x[i : i + 1], weight, amx=False) for i in range(300)])
     assert torch.equal(batch, alone)
-    assert torch.equal(quant_matmul(x[5:12], weight), batch[5:12])
+    assert torch.equal(quant_matmul(x[5:12], weight, amx=False), batch[5:12])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = quant_matmul(x, weight)
+        single = quant_matmul(x, weight, amx=False)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, batch)
@@ -174,17 +176,17 @@ def test_column_groups(type_name: str) -> None:
     for i, (n, k) in enumerate(SHAPES_16):
         weight, w = random_weight(type_name, n, k, seed=100 + i)
         x = random_input(300, k, 32, seed=200 + i)
-        full = quant_matmul(x, weight)
+        full = quant_matmul(x, weight, amx=False)
         assert_product_close(full, x, w, type_name)
         for rows in all_rows:
-            assert torch.equal(quant_matmul(x[:rows], weight), full[:rows]), (n, k, rows)
-        assert torch.equal(quant_matmul(x[299:], weight), full[299:])
+            assert torch.equal(quant_matmul(x[:rows], weight, amx=False), full[:rows]), (n, k, rows)
+        assert torch.equal(quant_matmul(x[299:], weight, amx=False), full[299:])
         threads = torch.get_num_threads()
         try:
             for count in (1, 3):
                 torch.set_num_threads(count)
-                assert torch.equal(quant_matmul(x, weight), full), (n, k, count)
-                assert torch.equal(quant_matmul(x[:5], weight), full[:5]), (n, k, count)
+                assert torch.equal(quant_matmul(x, weight, amx=False), full), (n, k, count)
+                assert torch.equal(quant_matmul(x[:5], weight, amx=False), full[:5]), (n, k, count)
         finally:
             torch.set_num_threads(threads)
 
@@ -349,4 +351,6 @@ def test_other_instruction_sets(variant: str, variant_libraries: dict[str, ctype
 
 @needs_kernels
 def test_kernel_isa_is_named() -> None:
-    assert kernel_isa() in {"portable C", "AVX2", "AVX2 + AVX-VNNI", "AVX-512 VNNI"}
+    isa = kernel_isa()
+    assert isa.removesuffix(" + AMX-BF16") in {"portable C", "AVX2", "AVX2 + AVX-VNNI", "AVX-512 VNNI"}
+    assert isa.endswith(" + AMX-BF16") == amx_available()

@@ -9,18 +9,28 @@ import torch
 
 from helpers.quant_weights import random_weight
 from pagedllm.kernels.cpu.library import kernels_available
-from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize, gather_rows, quant_matmul
+from pagedllm.kernels.cpu.quant import (
+    AMX_MIN_ROWS,
+    QuantizedWeight,
+    dequantize,
+    gather_rows,
+    quant_matmul,
+    uses_amx,
+)
 from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
 
 
 def _parts() -> list[QuantizedWeight]:
-    # A q/k/v-like stack: 64 rows of Q4_K, 32 of Q6_K, 32 more of Q6_K (merged with the previous).
+    # A q/k/v-like stack: 64 rows of Q4_K; 32 of Q6_K and the 32 that follow them in memory (merged,
+    # as tensors next to each other in a mapped file); 16 more of Q6_K elsewhere (kept apart).
+    q6 = random_weight("Q6_K", 64, 256, seed=2)[0].blocks
     return [
         random_weight("Q4_K", 64, 256, seed=1)[0],
-        random_weight("Q6_K", 32, 256, seed=2)[0],
-        random_weight("Q6_K", 32, 256, seed=3)[0],
+        QuantizedWeight("Q6_K", (32, 256), q6[:32]),
+        QuantizedWeight("Q6_K", (32, 256), q6[32:]),
+        random_weight("Q6_K", 16, 256, seed=3)[0],
     ]
 
 
@@ -29,17 +39,19 @@ def _parts() -> list[QuantizedWeight]:
 def test_parts_side_by_side_bitwise(rows: int) -> None:
     parts = _parts()
     layer = QuantLinear(parts, bias=True)
-    assert [p.type_name for p in layer.parts] == ["Q4_K", "Q6_K"]  # the two Q6_K parts merged
-    assert (layer.in_features, layer.out_features) == (256, 128)
+    assert [p.type_name for p in layer.parts] == ["Q4_K", "Q6_K", "Q6_K"]  # two Q6_K parts merged
+    assert layer.parts[1].blocks.data_ptr() == parts[1].blocks.data_ptr()  # a view: nothing copied
+    assert (layer.in_features, layer.out_features) == (256, 144)
     assert layer.nbytes == sum(p.nbytes for p in parts)
     with torch.no_grad():
-        layer.bias.copy_(torch.linspace(-1, 1, 128))  # type: ignore[union-attr]
+        layer.bias.copy_(torch.linspace(-1, 1, 144))  # type: ignore[union-attr]
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-    expected = torch.cat([quant_matmul(x, p) for p in parts], dim=1) + torch.linspace(-1, 1, 128)
+    expected = torch.cat([quant_matmul(x, p) for p in parts], dim=1) + torch.linspace(-1, 1, 144)
     assert torch.equal(layer(x), expected)
-    # 3-D input, and a row's output independent of the other rows.
+    # 3-D input, and a row's output independent of the other rows (on the path its row count takes).
     assert torch.equal(layer(x.view(1, rows, 256))[0], expected)
-    assert torch.equal(layer(x[-1:]), expected[-1:])
+    tail = AMX_MIN_ROWS[256] if uses_amx(parts[0], rows) else 1
+    assert torch.equal(layer(x[-tail:]), expected[-tail:])
 
 
 @needs_kernels

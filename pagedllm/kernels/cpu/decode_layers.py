@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.kernels.cpu.library import load_library
 from pagedllm.kernels.cpu.linear import PanelLinear
+from pagedllm.kernels.cpu.quant import AMX_MIN_ROWS, amx_available, block_size
 from pagedllm.kernels.cpu.quant_linear import QuantLinear
 
 _MAX_PARTS = 4  # LINEAR_MAX_PARTS in decode_layers_cpu.c
@@ -31,15 +32,25 @@ class LinearWeightStruct(ctypes.Structure):
         ("rows", ctypes.c_int64 * _MAX_PARTS),
         ("data", ctypes.c_void_p * _MAX_PARTS),
         ("bias", ctypes.c_void_p),
+        ("amx_min_rows", ctypes.c_int64 * _MAX_PARTS),
     ]
 
 
 def linear_weight_struct(module: PanelLinear | QuantLinear) -> LinearWeightStruct:
     """The C description of a panel or quantized linear layer (pointing into its tensors)."""
     if isinstance(module, PanelLinear):
-        parts = [(_PANELS, module.out_features, module.panels.data_ptr())]
+        parts = [(_PANELS, module.out_features, module.panels.data_ptr(), 0)]
     else:
-        parts = [(p.type_id, p.out_features, p.blocks.data_ptr()) for p in module.parts]
+        # The row count from which quant_matmul takes the AMX tiles, as it is now (0: never).
+        parts = [
+            (
+                p.type_id,
+                p.out_features,
+                p.blocks.data_ptr(),
+                AMX_MIN_ROWS[block_size(p.type_name)] if amx_available() else 0,
+            )
+            for p in module.parts
+        ]
     if len(parts) > _MAX_PARTS:
         raise ValueError(f"native decode takes at most {_MAX_PARTS} parts per projection, got {len(parts)}.")
     bias = module.bias
@@ -47,8 +58,8 @@ def linear_weight_struct(module: PanelLinear | QuantLinear) -> LinearWeightStruc
         raise ValueError("native decode needs a contiguous float32 bias.")
     desc = LinearWeightStruct()
     desc.num_parts = len(parts)
-    for i, (type_id, rows, ptr) in enumerate(parts):
-        desc.type[i], desc.rows[i], desc.data[i] = type_id, rows, ptr
+    for i, (type_id, rows, ptr, amx_rows) in enumerate(parts):
+        desc.type[i], desc.rows[i], desc.data[i], desc.amx_min_rows[i] = type_id, rows, ptr, amx_rows
     desc.bias = None if bias is None else bias.data_ptr()
     return desc
 

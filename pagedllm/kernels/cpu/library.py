@@ -65,6 +65,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "quant_dequantize_f32": [_I64, _PTR, _I64, _I64, _I64, _PTR],
     "quant_gather_rows_f32": [_I64, _PTR, _PTR, _I64, _I64, _PTR],
     "quant_kernel_isa": [],
+    "amx_quant_available": [],
+    "amx_quant_matmul_f32": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "moe_expert_panel_floats": [_I64, _I64, _I64],
     "moe_experts_panels_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64] + [_PTR] * 8,
 }
@@ -79,6 +81,8 @@ _RETURNS: dict[str, Any] = {
     "quant_dequantize_f32": ctypes.c_int64,
     "quant_gather_rows_f32": ctypes.c_int64,
     "quant_kernel_isa": ctypes.c_int64,
+    "amx_quant_available": ctypes.c_int64,
+    "amx_quant_matmul_f32": ctypes.c_int64,
     "moe_expert_panel_floats": ctypes.c_int64,
     "moe_experts_panels_f32": ctypes.c_int,
 }

@@ -7,8 +7,11 @@ activations are quantized to int8 per block (one scale per 32 values, per 256 fo
 integer dot products run on the stored quants (AVX-512 VNNI, AVX2 or portable C, whichever the
 library was compiled for), so the weight is read at its stored size (about 4.5-8.5 bits a value). The
 result differs from the float product by the activations' rounding, at most half an int8 step per
-value (see the tests for the bound). :func:`dequantize` expands rows to float32, bitwise as
-``gguf.quants.dequantize`` does, for products with many rows (dequantize a tile, then a float GEMM).
+value (see the tests for the bound). Products of many rows (prompts) run instead, where the CPU has
+AMX, on its bfloat16 tiles (``quant_amx_cpu.c``): a few output columns of the weight at a time are
+dequantized into a per-thread scratch panel, so that no float copy of the weight outlives the call;
+x and the weight are rounded to bfloat16 and the products summed in float32. :func:`dequantize`
+expands rows to float32, bitwise as ``gguf.quants.dequantize`` does.
 
 Where the kernel library cannot be built, both fall back to gguf's NumPy dequantizer (and
 ``F.linear``).
@@ -17,7 +20,9 @@ Where the kernel library cannot be built, both fall back to gguf's NumPy dequant
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -44,6 +49,10 @@ REPACKED_TYPES: dict[str, str] = {"Q5_0": "Q8_0"}
 LOADABLE_TYPES: tuple[str, ...] = SUPPORTED_TYPES + tuple(REPACKED_TYPES)
 
 _ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX2 + AVX-VNNI", 3: "AVX-512 VNNI"}
+
+# Rows from which :func:`quant_matmul` takes the AMX bfloat16 tiles where the CPU has them, by values
+# per block: below, dequantizing the weight costs more than the tiles save (docs/PERFORMANCE.md).
+AMX_MIN_ROWS: dict[int, int] = {32: 48, 256: 16}
 
 
 def check_supported(type_name: str) -> None:
@@ -112,9 +121,10 @@ class QuantizedWeight:
 
     @classmethod
     def from_gguf(cls, tensor: Any) -> QuantizedWeight:
-        """From a ``gguf.ReaderTensor`` (copied out of the file's memory map, still as blocks).
+        """From a ``gguf.ReaderTensor``: its blocks as they lie in the file's memory map (no copy; the
+        mapping is read-only and stays open while the weight lives).
 
-        A type of :data:`REPACKED_TYPES` comes back as its kernel type, with the same values."""
+        A type of :data:`REPACKED_TYPES` comes back as its kernel type, with the same values (a copy)."""
         type_name = tensor.tensor_type.name
         dims = [int(v) for v in tensor.shape]  # GGUF lists the row length (ne0) first
         in_features, out_features = dims[0], math.prod(dims[1:])
@@ -122,8 +132,18 @@ class QuantizedWeight:
             data = q5_0_to_q8_0(np.asarray(tensor.data, dtype=np.uint8).reshape(out_features, -1))
             return cls("Q8_0", (out_features, in_features), torch.from_numpy(data))
         check_supported(type_name)
-        data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(out_features, -1)
-        return cls(type_name, (out_features, in_features), torch.from_numpy(data))
+        return cls(type_name, (out_features, in_features), mapped_bytes(tensor.data).view(out_features, -1))
+
+
+def mapped_bytes(array: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over the bytes of ``array`` (a read-only view of a file mapping), without a copy.
+
+    torch has no read-only tensors; nothing in pagedllm writes into a weight's blocks (a write would
+    fault), so the warning torch gives for a read-only array is not shown."""
+    flat = np.asarray(array).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(flat)
 
 
 def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -147,10 +167,24 @@ def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
 
 
 def kernel_isa() -> str:
-    """The instruction set :func:`quant_matmul` uses here (``"portable C"`` without the library)."""
+    """The instruction set :func:`quant_matmul` uses here (``"portable C"`` without the library), and
+    ``" + AMX-BF16"`` where products of many rows run on the tile units."""
     if not kernels_available():
         return "portable C"
-    return _ISA_NAMES.get(int(load_library().quant_kernel_isa()), "unknown")
+    name = _ISA_NAMES.get(int(load_library().quant_kernel_isa()), "unknown")
+    return name + " + AMX-BF16" if amx_available() else name
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the AMX path runs here: the library was compiled for AMX-BF16 and Linux grants the
+    tile data to this process (asked once)."""
+    return kernels_available() and bool(load_library().amx_quant_available())
+
+
+def uses_amx(weight: QuantizedWeight, rows: int) -> bool:
+    """Whether :func:`quant_matmul` multiplies ``rows`` rows by ``weight`` on the AMX tiles."""
+    return rows >= AMX_MIN_ROWS[block_size(weight.type_name)] and amx_available()
 
 
 def _check_rc(rc: int, weight: QuantizedWeight) -> None:
@@ -211,13 +245,22 @@ def gather_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
 
 
 def quant_matmul(
-    x: torch.Tensor, weight: QuantizedWeight, *, out: torch.Tensor | None = None, portable: bool = False
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    *,
+    out: torch.Tensor | None = None,
+    portable: bool = False,
+    amx: bool | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for float32 ``x [..., in_features]`` and a quantized ``W``: float32 ``[..., out_features]``.
 
     ``out`` (optional) is a float32 ``[rows, out_features]`` view with unit column stride to write into
     (a column range of a wider output); it is returned. ``portable=True`` takes the kernel's portable C
-    path whatever the CPU (for tests). A row's result does not depend on the other rows of ``x``.
+    path whatever the CPU (for tests). Products of at least :data:`AMX_MIN_ROWS` rows run on the AMX
+    tiles where there are (:func:`uses_amx`; ``amx=True`` / ``False`` forces the choice, ``True``
+    raising ``RuntimeError`` where AMX is not available): x and the weight rounded to bfloat16,
+    summed in float32. On either path a row's result does not depend on the other rows of ``x`` nor
+    on the thread count; the two paths round differently (the integer path quantizes x to int8).
     """
     k, n = weight.in_features, weight.out_features
     if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -242,7 +285,14 @@ def quant_matmul(
         x2 = x2.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
     lib = load_library()
-    fn = lib.quant_matmul_f32_portable if portable else lib.quant_matmul_f32
+    if amx is None:
+        amx = not portable and uses_amx(weight, rows)
+    elif amx and (portable or not amx_available()):
+        raise RuntimeError("quant_matmul: amx=True needs the AMX path (not portable, an AMX-BF16 CPU).")
+    if amx:
+        fn = lib.amx_quant_matmul_f32
+    else:
+        fn = lib.quant_matmul_f32_portable if portable else lib.quant_matmul_f32
     rc = fn(
         weight.type_id,
         weight.blocks.data_ptr(),

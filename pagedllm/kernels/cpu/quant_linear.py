@@ -3,10 +3,11 @@
 :class:`QuantLinear` is an ``nn.Linear`` whose weight stays in its GGUF blocks
 (:class:`~pagedllm.kernels.cpu.quant.QuantizedWeight`); :class:`QuantEmbedding` is an ``nn.Embedding``
 over such a table, and a tied LM head is a :class:`QuantLinear` over the very same blocks (one copy).
-Every product, whatever its number of rows, runs the integer kernel (:func:`quant_matmul`): measured on
-the default model's layers it is faster than dequantizing the weight and multiplying in float32 at
-every row count (``benchmarks/quant_matmul.py --dequant``, docs/PERFORMANCE.md), and one kernel for
-all rows keeps a row's result independent of the batch it is in, prompt chunks included.
+Every product runs :func:`quant_matmul` on the blocks: the integer kernels for few rows (decode), the
+AMX tiles for many where the CPU has them (prompts; a panel of the weight dequantized to bfloat16 at
+a time, never the whole weight). On each path a row's result is independent of the other rows of its
+batch; a row computed in batches on both sides of :data:`~pagedllm.kernels.cpu.quant.AMX_MIN_ROWS`
+differs by the two paths' rounding.
 """
 
 from __future__ import annotations
@@ -19,20 +20,30 @@ from torch import nn
 from pagedllm.kernels.cpu.quant import QuantizedWeight, gather_rows, quant_matmul
 
 
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b``'s bytes start where ``a``'s end, in the same storage (a file's mapping)."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.data_ptr() + a.numel() == b.data_ptr()
+    )
+
+
 def _merge_parts(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
-    """Adjacent parts of one type joined into one weight (their rows stacked; the blocks copied once)."""
+    """Adjacent parts of one type whose blocks lie one after the other in one storage (tensors next to
+    each other in a GGUF file, mapped) joined into one weight: a view of both, nothing copied. Other
+    parts stay apart (a copy to join them would hold the weight twice while loading)."""
     merged: list[QuantizedWeight] = []
-    run: list[QuantizedWeight] = []
-    for part in [*parts, None]:
-        if part is not None and (not run or part.type_name == run[0].type_name):
-            run.append(part)
+    for part in parts:
+        last = merged[-1] if merged else None
+        if last is None or last.type_name != part.type_name or not _follows(last.blocks, part.blocks):
+            merged.append(part)
             continue
-        if len(run) == 1:
-            merged.append(run[0])
-        elif run:
-            blocks = torch.cat([p.blocks for p in run])
-            merged.append(QuantizedWeight(run[0].type_name, (blocks.shape[0], run[0].in_features), blocks))
-        run = [] if part is None else [part]
+        rows = last.out_features + part.out_features
+        width = last.blocks.shape[1]
+        blocks = torch.empty(0, dtype=torch.uint8).set_(
+            last.blocks.untyped_storage(), last.blocks.storage_offset(), (rows, width), (width, 1)
+        )
+        merged[-1] = QuantizedWeight(part.type_name, (rows, part.in_features), blocks)
     return merged
 
 
@@ -40,8 +51,9 @@ class QuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with ``W`` in GGUF blocks, float32 activations on the CPU.
 
     ``parts`` are weights of the same ``in_features`` stacked along the outputs in order (a fused
-    q/k/v projection whose q, k and v were quantized separately); adjacent parts of one type are
-    merged. ``bias``, when asked for, is a float32 parameter (filled by the checkpoint loader). The
+    q/k/v projection whose q, k and v were quantized separately); adjacent parts of one type whose
+    blocks follow each other in memory are merged (a view), the others multiplied one by one into
+    their columns of the output. ``bias``, when asked for, is a float32 parameter (filled by the checkpoint loader). The
     blocks are read-only after construction and shared with any other layer built on the same
     :class:`QuantizedWeight` (a tied LM head and its :class:`QuantEmbedding`).
     """

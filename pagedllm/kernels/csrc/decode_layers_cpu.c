@@ -32,6 +32,8 @@ int panel_linear_f32(const float *x, int64_t ldx, const float *panels, const flo
                      int64_t ldo, int64_t m, int64_t n, int64_t k);
 int64_t quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx,
                          float *y, int64_t ldy);
+int64_t amx_quant_matmul_f32(int64_t type, const void *w, int64_t n, int64_t k, const float *x, int64_t m,
+                             int64_t ldx, float *y, int64_t ldy); /* quant_amx_cpu.c */
 
 #define LINEAR_MAX_PARTS 4
 #define LINEAR_PANELS 0 /* part type of float32 panels; other values are GGML type ids */
@@ -43,6 +45,7 @@ typedef struct {
     int64_t rows[LINEAR_MAX_PARTS];  /* output rows of the part; parts are stacked in order */
     const void *data[LINEAR_MAX_PARTS];
     const float *bias;               /* [sum of rows], or NULL */
+    int64_t amx_min_rows[LINEAR_MAX_PARTS]; /* products of at least this many rows on the AMX tiles (0: never) */
 } linear_weight_t;
 
 /* out[m, n] (row stride ldo) = x[m, k] @ W^T (+ bias). Returns 0 or a kernel's error code. */
@@ -52,9 +55,12 @@ static int linear_forward(const linear_weight_t *w, const float *x, int64_t ldx,
     int64_t col = 0;
     for (int64_t p = 0; p < w->num_parts; ++p) {
         const int64_t rows = w->rows[p];
-        const int64_t rc = w->type[p] == LINEAR_PANELS
-                               ? panel_linear_f32(x, ldx, w->data[p], NULL, out + col, ldo, m, rows, k)
-                               : quant_matmul_f32(w->type[p], w->data[p], rows, k, x, m, ldx, out + col, ldo);
+        int64_t rc = -4; /* (amx_quant_matmul_f32's "no AMX here") */
+        if (w->type[p] != LINEAR_PANELS && w->amx_min_rows[p] > 0 && m >= w->amx_min_rows[p])
+            rc = amx_quant_matmul_f32(w->type[p], w->data[p], rows, k, x, m, ldx, out + col, ldo);
+        if (rc == -4)
+            rc = w->type[p] == LINEAR_PANELS ? panel_linear_f32(x, ldx, w->data[p], NULL, out + col, ldo, m, rows, k)
+                                             : quant_matmul_f32(w->type[p], w->data[p], rows, k, x, m, ldx, out + col, ldo);
         if (rc) return (int)rc;
         col += rows;
     }
