@@ -6,7 +6,7 @@ Layers, top to bottom (docs/ARCHITECTURE.md):
     ->  kernels
 
 A module may import its own package, any package below it, and packages beside it in the same layer as
-long as no cycle forms. The shared vocabulary (``config``, ``request``, ``sampling_params``,
+long as no cycle forms. The shared vocabulary (``config``, ``errors``, ``request``, ``sampling_params``,
 ``pooling_params``, ``outputs``, ``utils``) may be imported from anywhere and imports only itself.
 Every import counts, including those inside functions and under ``TYPE_CHECKING``.
 """
@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"kernels"},
 ]
-SHARED = {"config", "request", "sampling_params", "pooling_params", "outputs", "utils"}
+SHARED = {"config", "errors", "request", "sampling_params", "pooling_params", "outputs", "utils"}
 
 
 def _module_name(path: Path) -> str:

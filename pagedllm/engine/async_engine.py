@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
 from pagedllm.engine.core_protocol import check_wire_priority
 from pagedllm.engine.engine_state import EngineCall, EngineStateAccess
-from pagedllm.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
+from pagedllm.engine.errors import (
+    EngineDeadError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestError,
+    grammar_timeout_error,
+    queue_full_error,
+)
 from pagedllm.engine.metrics import EngineMetrics, RequestTimes, StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
@@ -301,7 +308,7 @@ class AsyncLLMEngine(EngineStateAccess):
             if self._dead is not None or not self._started:
                 raise EngineDeadError(self.dead_message())
             if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use.")
+                raise RequestError("request_id", f"request_id {request_id!r} is already in use.")
             self._streams[request_id] = stream
             self._send(_Add(stream, prompt, params, priority))
         try:
@@ -322,9 +329,7 @@ class AsyncLLMEngine(EngineStateAccess):
         except TimeoutError:
             # The compilation cannot be interrupted: it finishes in its thread and is cached.
             task.add_done_callback(lambda t: t.exception())
-            raise ValueError(
-                f"structured_outputs: compiling the grammar took longer than {self.grammar_compile_timeout:g} s."
-            ) from None
+            raise grammar_timeout_error(self.grammar_compile_timeout) from None
 
     async def generate(
         self,
@@ -509,13 +514,7 @@ class AsyncLLMEngine(EngineStateAccess):
                 n = cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
                 if waiting + n > self.max_queued_requests:
                     self._drop(stream)
-                    stream.fail(
-                        QueueFullError(
-                            f"The server is overloaded: {waiting} sequences are already waiting and this "
-                            f"request adds {n} (max_queued_requests={self.max_queued_requests}). "
-                            "Retry later."
-                        )
-                    )
+                    stream.fail(queue_full_error(waiting, n, self.max_queued_requests))
                     continue
             try:
                 self.engine.add_request(
@@ -578,3 +577,13 @@ class AsyncLLMEngine(EngineStateAccess):
         message = self.dead_message()
         for s in streams:
             s.fail(EngineDeadError(message))
+
+
+__all__ = [
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "EngineOutput",
+    "QueueFullError",
+    "RequestAbortedError",
+    "SyncEngine",
+]

@@ -57,9 +57,10 @@ from pagedllm.engine.core_protocol import (
     StartFailed,
     Welcome,
     check_wire_priority,
+    rejection_error,
 )
 from pagedllm.engine.dp_router import PrefixRouter
-from pagedllm.engine.errors import EngineDeadError, QueueFullError
+from pagedllm.engine.errors import EngineDeadError, RequestError
 from pagedllm.engine.output_deltas import DeltaAccumulator, metrics_from_times
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
@@ -434,7 +435,7 @@ class CoreClient:
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
             self._acc.pop(cmd.request_id, None)  # a value no message can carry: this request alone fails
             self.listener.rejected(
-                cmd.request_id, ValueError(f"The request cannot be sent to the engine: {exc}")
+                cmd.request_id, RequestError(None, f"The request cannot be sent to the engine: {exc}")
             )
             return
         if not self._send(core, payload):
@@ -465,10 +466,7 @@ class CoreClient:
                 listener.accepted(rid)
             for rej in message.rejected:
                 self._finish(rej.request_id)
-                exc: BaseException = (
-                    QueueFullError(rej.message) if rej.queue_full else ValueError(rej.message)
-                )
-                listener.rejected(rej.request_id, exc)
+                listener.rejected(rej.request_id, rejection_error(rej))
             outputs: list[RequestOutput | EmbeddingRequestOutput] = []
             for delta in message.deltas:
                 acc = self._acc.get(delta.request_id)

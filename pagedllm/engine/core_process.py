@@ -49,14 +49,15 @@ from pagedllm.engine.core_protocol import (
     EngineStateQuery,
     Hello,
     Ping,
-    Rejection,
     ResetPrefixCache,
     Shutdown,
     StartFailed,
     Welcome,
+    rejection,
     undecodable_request,
 )
 from pagedllm.engine.engine_state import encode_state
+from pagedllm.engine.errors import RequestError, as_request_error, grammar_timeout_error, queue_full_error
 from pagedllm.engine.metrics import StatLogger
 from pagedllm.engine.output_deltas import DeltaEncoder, metrics_times
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -217,7 +218,10 @@ class _CoreIO:
                             "Core %d: could not handle a %s.", self.options.rank, type(message).__name__
                         )
                         if isinstance(message, AddRequest):
-                            self._reject(message.request_id, f"The engine could not take this request: {exc}")
+                            self._reject(
+                                message.request_id,
+                                RequestError(None, f"The engine could not take this request: {exc}"),
+                            )
                 self.last_heard = time.monotonic()
             self._check_compiles()
             now = time.monotonic()
@@ -276,9 +280,16 @@ class _CoreIO:
             return
         detail = str(exc).split(" - at `", 1)[0]
         if field is None or not detail.startswith("Expected"):  # the parameters' own check names it
-            self._reject(request_id, detail, index)
+            cause = exc.__cause__
+            param = cause.param if isinstance(cause, RequestError) else None
+            self._reject(request_id, RequestError(param, detail), index)
         else:
-            self._reject(request_id, f"{field}: the engine cannot take this value: {detail}.", index)
+            param = field.split(".", 1)[0].split("[", 1)[0]
+            self._reject(
+                request_id,
+                RequestError(param, f"{field}: the engine cannot take this value: {detail}."),
+                index,
+            )
 
     def _check_compiles(self) -> None:
         """Hand compiled requests to the step loop; refuse those whose grammar failed or is too slow."""
@@ -293,21 +304,17 @@ class _CoreIO:
                 if exc is None:
                     self.commands.put(message)
                 else:
-                    self._reject(rid, f"{exc}")
+                    self._reject(rid, as_request_error(exc))
             elif now - started > timeout:
                 del self.compiling[rid]
-                self._reject(
-                    rid, f"structured_outputs: compiling the grammar took longer than {timeout:g} s."
-                )
+                self._reject(rid, grammar_timeout_error(timeout))
 
-    def _reject(self, request_id: str, message: str, index: int | None = None) -> None:
+    def _reject(self, request_id: str, error: RequestError, index: int | None = None) -> None:
         """Refuse a request: to front-end ``index`` when given (the request's id is not taken over
         from the request in flight that may hold it), else to its owner."""
         if index is None:
             index = self.owner.pop(request_id, 0)
-        out = CoreOutputs(
-            self.options.rank, time.monotonic(), rejected=[Rejection(request_id, False, message)]
-        )
+        out = CoreOutputs(self.options.rank, time.monotonic(), rejected=[rejection(request_id, error)])
         self.dealers[index].send(self.codec.encode(out))
 
     def close(self) -> None:
@@ -415,20 +422,13 @@ class EngineCoreProc:
                 if waiting is None:
                     waiting = engine.get_stats().num_waiting
                 if waiting + n > limit:
-                    out.rejected.append(
-                        Rejection(
-                            rid,
-                            True,
-                            f"The server is overloaded: {waiting} sequences are already waiting and this "
-                            f"request adds {n} (max_queued_requests={limit}). Retry later.",
-                        )
-                    )
+                    out.rejected.append(rejection(rid, queue_full_error(waiting, n, limit)))
                     self.io.owner.pop(rid, None)
                     continue
             try:
                 engine.add_request(rid, cmd.prompt_token_ids, params, priority=cmd.priority)
             except Exception as exc:  # noqa: BLE001 - a rejected request reports to its front-end
-                out.rejected.append(Rejection(rid, False, str(exc)))
+                out.rejected.append(rejection(rid, as_request_error(exc)))
                 self.io.owner.pop(rid, None)
                 continue
             if waiting is not None:

@@ -27,7 +27,7 @@ from pagedllm.engine.core_client import CoreClient
 from pagedllm.engine.core_launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
 from pagedllm.engine.core_process import CoreOptions
 from pagedllm.engine.core_protocol import check_wire_priority
-from pagedllm.engine.errors import EngineDeadError
+from pagedllm.engine.errors import EngineDeadError, RequestError
 from pagedllm.engine.llm_engine import check_priority
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
@@ -155,11 +155,15 @@ class MPLLMEngine(RemoteEngine):
         check_wire_priority(priority)
         check_priority(priority, self.scheduling_policy)
         if request_id in self._unfinished:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
+            raise RequestError("request_id", f"request_id {request_id!r} is already in use.")
         if self.task == "embed" and isinstance(params, SamplingParams):
-            raise ValueError(f"This engine runs task 'embed' ({self.model_name}): it does not generate.")
+            raise RequestError(
+                None, f"This engine runs task 'embed' ({self.model_name}): it does not generate."
+            )
         if self.task == "generate" and isinstance(params, PoolingParams):
-            raise ValueError(f"This engine runs task 'generate' ({self.model_name}): it does not embed.")
+            raise RequestError(
+                None, f"This engine runs task 'generate' ({self.model_name}): it does not embed."
+            )
         if params is None:
             params = PoolingParams() if self.task == "embed" else SamplingParams()
         text, ids = self.tokenize(prompt)

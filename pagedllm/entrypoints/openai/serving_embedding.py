@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.async_mp_engine import AsyncMPEngine
+from pagedllm.engine.errors import RequestError
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.protocol_embedding import (
@@ -170,8 +171,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             config = getattr(self.engine.engine, "pooling_config", None)
             if config is not None:
                 config.check(params)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="dimensions") from None
+        except ValueError as exc:  # the model's own check of dimensions names no field
+            raise error_from_exception(RequestError("dimensions", str(exc))) from None
         return params
 
     async def _prompts(self, request: EmbeddingRequest) -> list[list[int]]:
