@@ -56,7 +56,6 @@ from pagedllm.engine.core_protocol import (
     Shutdown,
     StartFailed,
     Welcome,
-    check_wire_priority,
     rejection_error,
 )
 from pagedllm.engine.dp_router import PrefixRouter
@@ -258,10 +257,9 @@ class CoreClient:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
     ) -> None:
-        """Send a request to a core; the listener hears ``accepted`` or ``rejected`` for it. A
-        ``priority`` that no message can carry (not a 64-bit integer) raises ValueError here, and
-        nothing is sent; whether the core's scheduling policy takes it is the core's to say."""
-        check_wire_priority(priority)
+        """Send a request to a core; the listener hears ``accepted`` or ``rejected`` for it (the
+        caller has checked ``priority`` with :func:`~pagedllm.engine.engine_checks.check_priority`;
+        a value no message can carry is refused as the request cannot be sent)."""
         self._put(_Add(request_id, prompt, prompt_ids, params, priority))
 
     def abort(self, request_ids: list[str]) -> None:

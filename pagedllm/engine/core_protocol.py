@@ -27,13 +27,17 @@ from pagedllm.engine.engine_checks import check_wire_priority
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
 from pagedllm.errors import RequestError, request_error
+from pagedllm.model.pooling import PoolingConfig
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
 class EngineInfo(msgspec.Struct, array_like=True):
-    """What a front-end needs to know about the engine a core runs (same for every core)."""
+    """What a front-end knows of the engine it serves, and all it knows (the same for every core;
+    the front-end's tokenizer is its own): the model, its task and generation defaults, and the
+    engine's limits. A core reports it in :class:`Hello`; an engine in the front-end's process is
+    described by :func:`~pagedllm.engine.engine_core.engine_info`."""
 
     model_name: str
     task: str  # "generate" or "embed"
@@ -50,6 +54,11 @@ class EngineInfo(msgspec.Struct, array_like=True):
     pooling: tuple[str, bool, int, tuple[int, ...] | None] | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priorities are taken)
     max_num_batched_tokens: int = 0  # a step's token budget (0: not reported)
+
+    @property
+    def pooling_config(self) -> PoolingConfig | None:
+        """The pooling of an embed engine (None for a generating one)."""
+        return PoolingConfig(*self.pooling) if self.pooling is not None else None
 
 
 # -- front-end -> core ------------------------------------------------------------------------

@@ -3,6 +3,8 @@ names the field (a :class:`~pagedllm.errors.RequestError` for a request's)."""
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from pagedllm.config import EngineConfig
 from pagedllm.errors import RequestError
 from pagedllm.spec.config import SpeculativeConfig, parse_speculative_config
@@ -37,6 +39,24 @@ def check_priority(priority: object, policy: str, *, wire: bool = True) -> None:
             "priority",
             f"priority {priority}: requests have priorities under scheduling_policy 'priority' only "
             f"(this engine runs {policy!r}; start it with --scheduling-policy priority).",
+        )
+
+
+def check_new_request_id(request_id: str, in_use: Container[str]) -> None:
+    """Raise :class:`RequestError` naming ``request_id`` when a request of that id is in flight
+    (``in_use``): the one check of a reused id, in every place that keys requests by it."""
+    if request_id in in_use:
+        raise RequestError("request_id", f"request_id {request_id!r} is already in use.")
+
+
+def check_sequence_ids(request_id: str, sequence_ids: list[str], in_use: Container[str]) -> None:
+    """Raise :class:`RequestError` naming ``request_id`` when one of its sequence ids (the request id,
+    or ``{i}_{request_id}`` for n > 1) is another request's: "0_X" of a request "X" with n = 2 and a
+    request "0_X" would collide."""
+    taken = [sid for sid in sequence_ids if sid in in_use]
+    if taken:
+        raise RequestError(
+            "request_id", f"request_id {request_id!r}: sequence id {taken[0]!r} is already in use."
         )
 
 

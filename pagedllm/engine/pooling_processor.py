@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.engine.engine_checks import check_new_request_id
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.errors import RequestError, context_length_error
 from pagedllm.model.pooling import PoolingConfig, finish_embeddings
@@ -65,8 +66,7 @@ class PoolingProcessor:
         Raises ValueError naming the problem (empty prompt, token ids outside the vocabulary, a prompt
         longer than the context or the KV pool, ``dimensions`` the model cannot give), changing nothing.
         """
-        if request_id in self.requests:
-            raise RequestError("request_id", f"request_id {request_id!r} is already in use.")
+        check_new_request_id(request_id, self.requests)
         text, ids = self.input_processor.tokenize(prompt)
         self.config.check(params)
         limits = self.limits

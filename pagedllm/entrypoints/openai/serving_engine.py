@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_client import AsyncEngineClient
 from pagedllm.engine.errors import EngineDeadError, RequestAbortedError, RequestError, as_request_error
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.field_checks import FieldRule, check_fields
@@ -99,7 +99,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: AsyncEngineClient,
         served_model_names: list[str],
         *,
         max_logprobs: int = 20,
@@ -109,10 +109,10 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_logprobs = max_logprobs
-        self.tokenizer = tokenizer if tokenizer is not None else engine.engine.tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         if preprocessor is None:
             limits = RequestLimits().resolve(
-                max_model_len=self.max_model_len, vocab_size=int(engine.engine.vocab_size), max_num_seqs=None
+                max_model_len=self.max_model_len, vocab_size=engine.info.vocab_size, max_num_seqs=None
             )
             preprocessor = Preprocessor(self.tokenizer, limits, trust_request_chat_template=False)
         self.preprocessor = preprocessor
@@ -124,7 +124,7 @@ class OpenAIServing:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.engine.max_model_len)
+        return self.engine.info.max_model_len
 
     # ------------------------------------------------------------------ checks
 
@@ -190,7 +190,7 @@ class OpenAIServing:
     ) -> list[list[int]]:
         """The token ids of each item, in order: id lists checked against the vocabulary, texts
         tokenized on the tokenizer thread."""
-        vocab_size = int(self.engine.engine.vocab_size)
+        vocab_size = self.engine.info.vocab_size
         for item in items:
             if isinstance(item, str):
                 continue
@@ -264,12 +264,11 @@ class OpenAIServing:
             )
         except RequestError as exc:  # beam_width is the request's n
             raise error_from_exception(_beam_width_as_n(exc)) from None
-        engine = self.engine.engine
         try:
             outputs = await self.engine.beam_search(
                 prompts,
                 params,
-                eos_token_ids=list(getattr(engine, "eos_token_ids", [])),
+                eos_token_ids=list(self.engine.info.eos_token_ids),
                 max_logprobs=self.max_logprobs,
                 request_id=request_id,
                 priority=request.priority,
@@ -351,8 +350,8 @@ class OpenAIServing:
 
     def default_sampling(self, request: SamplingRequest) -> dict[str, float | int]:
         """temperature, top_p, top_k, min_p and repetition_penalty for ``request``: its own value, else
-        the model's generation-config default (``engine.default_sampling``), else the built-in one."""
-        model_defaults: dict[str, float | int] = getattr(self.engine.engine, "default_sampling", None) or {}
+        the model's generation-config default (``engine.info.default_sampling``), else the built-in one."""
+        model_defaults = self.engine.info.default_sampling
         values: dict[str, float | int] = {}
         for name, builtin in self._BUILTIN_SAMPLING.items():
             given = getattr(request, name)
