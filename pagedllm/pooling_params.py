@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.errors import RequestError
+
 
 @dataclass(frozen=True)
 class PoolingParams:
@@ -22,6 +24,6 @@ class PoolingParams:
     def __post_init__(self) -> None:
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
-            raise ValueError(f"dimensions must be a positive integer, got {d!r}.")
+            raise RequestError("dimensions", f"dimensions must be a positive integer, got {d!r}.")
         if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true, false or null, got {self.normalize!r}.")
+            raise RequestError("normalize", f"normalize must be true, false or null, got {self.normalize!r}.")

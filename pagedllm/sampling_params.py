@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.errors import RequestError
+
 
 class RequestOutputKind(enum.Enum):
     """Which ``RequestOutput`` snapshots a request produces while it runs."""
@@ -41,41 +43,54 @@ class StructuredOutputsParams:
         # Types first: these parameters cross process boundaries and reach the grammar compiler, so a
         # value of the wrong type is refused here, naming the field, wherever the parameters come from.
         if self.json is not None and not isinstance(self.json, str | dict):
-            raise ValueError(
+            raise RequestError(
+                "structured_outputs",
                 "structured_outputs.json must be a JSON schema (an object, or its JSON text), got "
-                f"{type(self.json).__name__} {self.json!r:.60}"
+                f"{type(self.json).__name__} {self.json!r:.60}",
             )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+                raise RequestError(
+                    "structured_outputs",
+                    f"structured_outputs.{name} must be a string, got {type(value).__name__}",
+                )
         if self.choice is not None and not isinstance(self.choice, list | tuple):
-            raise ValueError(
-                f"structured_outputs.choice must be a list of strings, got {type(self.choice).__name__}"
+            raise RequestError(
+                "structured_outputs",
+                f"structured_outputs.choice must be a list of strings, got {type(self.choice).__name__}",
             )
         if not isinstance(self.json_object, bool):
-            raise ValueError(
-                f"structured_outputs.json_object must be a boolean, got {type(self.json_object).__name__}"
+            raise RequestError(
+                "structured_outputs",
+                f"structured_outputs.json_object must be a boolean, got {type(self.json_object).__name__}",
             )
         set_fields = [
             name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
         if len(set_fields) != 1:
-            raise ValueError(
+            raise RequestError(
+                "structured_outputs",
                 "structured_outputs: exactly one of json, regex, choice, grammar, json_object must be set "
-                f"(got {set_fields or 'none'})"
+                f"(got {set_fields or 'none'})",
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            raise RequestError(
+                "structured_outputs",
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+            )
         if self.after is not None:
             if not isinstance(self.after, list | tuple) or not self.after:
-                raise ValueError("structured_outputs.after must be a non-empty list of token ids")
+                raise RequestError(
+                    "structured_outputs", "structured_outputs.after must be a non-empty list of token ids"
+                )
             for t in self.after:
                 if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                    raise ValueError(
-                        f"structured_outputs.after must contain non-negative integers, got {t!r}"
+                    raise RequestError(
+                        "structured_outputs",
+                        f"structured_outputs.after must contain non-negative integers, got {t!r}",
                     )
             self.after = list(self.after)
 
@@ -131,11 +146,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             if any(isinstance(k, bool) or isinstance(v, bool) for k, v in self.logit_bias.items()):
-                raise ValueError("logit_bias must map token ids to numbers, not booleans.")
+                raise RequestError("logit_bias", "logit_bias must map token ids to numbers, not booleans.")
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
-                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+                raise RequestError("logit_bias", f"logit_bias must map token ids to numbers: {e}") from None
         self._verify()
 
     @property
@@ -143,8 +158,8 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def _verify(self) -> None:
-        def bad(field_name: str, msg: str) -> ValueError:
-            return ValueError(f"{field_name} {msg}")
+        def bad(field_name: str, msg: str) -> RequestError:
+            return RequestError(field_name, f"{field_name} {msg}")
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", f"must be an integer of at least 1, got {self.n!r}.")
@@ -219,7 +234,10 @@ class SamplingParams:
         ):
             for t in ids:
                 if not 0 <= t < vocab_size:
-                    raise ValueError(f"{name} contains out-of-vocab token id {t} (vocab size {vocab_size}).")
+                    raise RequestError(
+                        name.split(".")[0],
+                        f"{name} contains out-of-vocab token id {t} (vocab size {vocab_size}).",
+                    )
 
     def clone(self) -> SamplingParams:
         import copy
@@ -239,6 +257,6 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+            raise RequestError("beam_width", f"beam_width must be at least 1, got {self.beam_width}.")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise RequestError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")

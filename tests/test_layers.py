@@ -6,7 +6,7 @@ Layers, top to bottom (docs/ARCHITECTURE.md):
     ->  kernels
 
 A module may import its own package, any package below it, and packages beside it in the same layer as
-long as no cycle forms. The shared vocabulary (``config``, ``request``, ``sampling_params``,
+long as no cycle forms. The shared vocabulary (``config``, ``errors``, ``request``, ``sampling_params``,
 ``pooling_params``, ``outputs``, ``utils``) may be imported from anywhere and imports only itself.
 Every import counts, including those inside functions and under ``TYPE_CHECKING``. Between packages of
 one layer, only the arrows listed in ``SAME_LAYER_ARROWS`` (the ones there are) may exist, and no
@@ -45,7 +45,7 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"kernels"},
 ]
-SHARED = {"config", "request", "sampling_params", "pooling_params", "outputs", "utils"}
+SHARED = {"config", "errors", "request", "sampling_params", "pooling_params", "outputs", "utils"}
 # The arrows between packages of one layer, pinned where they are: the worker reads the scheduler's
 # output and uses the process groups; speculative decoding samples as the sampler does; the top
 # layer's entry points.
@@ -64,10 +64,6 @@ KNOWN_PRIVATE_IMPORTS = {
     ("pagedllm.bench.moe", "pagedllm.bench.throughput._pad_token_id"),
     ("pagedllm.bench.prefix_routing", "pagedllm.bench.workloads._random_ids"),
     ("pagedllm.bench.prefix_routing", "pagedllm.bench.workloads._token_pool"),
-    ("pagedllm.engine.async_mp_engine", "pagedllm.engine.async_engine._Abort"),
-    ("pagedllm.engine.async_mp_engine", "pagedllm.engine.async_engine._Add"),
-    ("pagedllm.engine.async_mp_engine", "pagedllm.engine.async_engine._Command"),
-    ("pagedllm.engine.mp_llm_engine", "pagedllm.engine.async_mp_engine._total"),
 }
 # Rooms that write ``Request`` attributes (besides ``pagedllm/request.py`` itself).
 REQUEST_WRITERS = {"core", "engine"}

@@ -1,11 +1,13 @@
 """The asyncio front end over engine cores in other processes (the server's default).
 
-:class:`AsyncMPEngine` offers what :class:`~pagedllm.engine.async_engine.AsyncLLMEngine` offers
-(``add_request``, ``encode``, ``beam_search``, ``abort``, ``abort_all``, stats and liveness) with the
-same per-request streams; instead of an engine thread, a :class:`~pagedllm.engine.core_client.CoreClient`
-routes each request to a core and its I/O thread delivers the accepted, rejected and output events.
-``engine`` is a :class:`RemoteEngine`: what the HTTP layer reads of the engine (its tokenizer, loaded
-here, and the facts the cores reported).
+:class:`AsyncMPEngine` is the multi-process transport of
+:class:`~pagedllm.engine.async_client.AsyncEngineClient` (``add_request``, ``encode``,
+``beam_search``, ``abort``, ``abort_all``, stats and liveness, with the same per-request streams as
+an engine in this process): a :class:`~pagedllm.engine.core_client.CoreClient` routes each request
+to a core (data parallel: one router for every core) and its I/O thread delivers the accepted,
+rejected and output events.
+What the front-end knows of the engine is the :class:`~pagedllm.engine.core_protocol.EngineInfo`
+the cores reported, and its own tokenizer.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, _Abort, _Add, _Command
+from pagedllm.engine.async_client import AsyncEngineClient, RequestStream
 from pagedllm.engine.core_client import CoreClient
 from pagedllm.engine.core_protocol import EngineInfo
 from pagedllm.engine.engine_state import STATE_TIMEOUT_S
@@ -26,50 +27,20 @@ from pagedllm.engine.input_processor import tokenize_prompt
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord, StepRing
-from pagedllm.model.pooling import PoolingConfig
-from pagedllm.model.tokenizer import render_chat
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import SamplingParams
 
 
-class RemoteEngine:
-    """The engine as a front-end sees it: its own tokenizer (with the configured chat template) and
-    what the cores reported at start-up (their scheduling policy included, which decides the
-    priorities a front-end lets through)."""
-
-    def __init__(self, info: EngineInfo, tokenizer: Any, config: EngineConfig) -> None:
-        self.info = info
-        self.tokenizer = tokenizer
-        self.config = config
-        self.model_name = info.model_name
-        self.task = info.task
-        self.max_model_len = info.max_model_len
-        self.vocab_size = info.vocab_size
-        self.eos_token_ids = list(info.eos_token_ids)
-        self.default_sampling: dict[str, float | int] = dict(info.default_sampling)
-        self.pooling_config = PoolingConfig(*info.pooling) if info.pooling is not None else None
-        self.scheduling_policy = info.scheduling_policy
-        self.max_num_batched_tokens = info.max_num_batched_tokens or info.max_model_len
-
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
-
-
-class AsyncMPEngine(AsyncLLMEngine):
+class AsyncMPEngine(AsyncEngineClient):
     """Async requests served by engine-core processes through ``client`` (which this engine starts,
     listens to and closes). ``on_death`` is called once every core has died."""
 
     def __init__(
         self,
         client: CoreClient,
-        engine: RemoteEngine,
+        info: EngineInfo,
+        tokenizer: Any,
         *,
         metrics: EngineMetrics | None = None,
         on_death: Callable[[BaseException], None] | None = None,
@@ -78,16 +49,11 @@ class AsyncMPEngine(AsyncLLMEngine):
         max_queued_requests: int | None = None,
     ) -> None:
         # max_queued_requests is enforced by each core; known here for the front-end's own checks.
-        super().__init__(
-            engine,  # type: ignore[arg-type]
-            metrics=metrics,
-            log_stats_interval=None,
-            on_death=on_death,
-            max_queued_requests=max_queued_requests,
-        )
+        super().__init__(metrics=metrics, on_death=on_death, max_queued_requests=max_queued_requests)
+        self.info = info
+        self.tokenizer = tokenizer
         self.client = client
         client.listener = self
-        self.remote = engine
         # Called after the client closed (the owner stops the core processes it started).
         self.on_stop = on_stop
         self._core_stats: dict[int, EngineStats] = {}
@@ -151,19 +117,22 @@ class AsyncMPEngine(AsyncLLMEngine):
 
     # ------------------------------------------------------------------ caller side
 
-    def _send(self, command: _Command) -> None:
-        if isinstance(command, _Abort):
-            self.client.abort(command.request_ids)
-            return
-        if not isinstance(command, _Add):
-            return
-        stream = command.stream
+    def _send_add(
+        self,
+        stream: RequestStream,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        priority: int,
+    ) -> None:
         try:
-            text, ids = self.remote.tokenize(command.prompt)
-            self.client.add(stream.request_id, text, ids, command.params, command.priority)
+            text, ids = tokenize_prompt(self.tokenizer, prompt, self.info.vocab_size)
+            self.client.add(stream.request_id, text, ids, params, priority)
         except ValueError as exc:
             del self._streams[stream.request_id]  # the caller holds _lock
             stream.fail(exc)
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        self.client.abort(request_ids)
 
     # ------------------------------------------------------------------ the dashboard's data
 
@@ -216,16 +185,10 @@ class AsyncMPEngine(AsyncLLMEngine):
             pass
 
     def accepted(self, request_id: str) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.accept()
+        self._accept(request_id)
 
     def rejected(self, request_id: str, exc: BaseException) -> None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.fail(exc)
+        self._reject(request_id, exc)
 
     def outputs(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         self._dispatch(outputs)
@@ -239,7 +202,7 @@ class AsyncMPEngine(AsyncLLMEngine):
     def core_lost(self, rank: int) -> None:
         """A dead core holds nothing: its series read idle, the totals leave it out."""
         self._core_stats.pop(rank, None)
-        self._latest_stats = _total(self._core_stats.values())
+        self._latest_stats = total_stats(self._core_stats.values())
         if self.engine_metrics is not None:
             self.engine_metrics.clear_engine(str(rank))
             self.engine_metrics.set_engines_alive(self.client.num_alive)
@@ -259,10 +222,10 @@ class AsyncMPEngine(AsyncLLMEngine):
             observe = self.engine_metrics.inter_token_latency.observe
             for interval in token_intervals:
                 observe(interval)
-        self._latest_stats = _total(self._core_stats.values())
+        self._latest_stats = total_stats(self._core_stats.values())
 
 
-def _total(stats: Any) -> EngineStats:
+def total_stats(stats: Any) -> EngineStats:
     """The sum of the cores' statistics (KV usage: over all their blocks)."""
     out = EngineStats()
     used = 0.0
@@ -283,4 +246,4 @@ def _total(stats: Any) -> EngineStats:
     return out
 
 
-__all__ = ["AsyncMPEngine", "EngineDeadError", "RemoteEngine"]
+__all__ = ["AsyncMPEngine", "EngineDeadError", "total_stats"]

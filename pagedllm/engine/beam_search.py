@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.errors import RequestError
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -78,24 +79,26 @@ class BeamSearchRun:
         max_model_len: int,
     ) -> None:
         if params.temperature != 0.0:
-            raise ValueError("beam search is deterministic; temperature must be 0.")
+            raise RequestError(None, "beam search is deterministic; temperature must be 0.")
         width = params.beam_width
         self.params = params
         self.eos_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.num_candidates = max(2, 1 + len(eos_token_ids)) * width
         if self.num_candidates > max_logprobs:
-            raise ValueError(
+            raise RequestError(
+                "beam_width",
                 f"beam_width {width} needs the top {self.num_candidates} log probabilities per step, more "
-                f"than the engine's max_logprobs={max_logprobs}."
+                f"than the engine's max_logprobs={max_logprobs}.",
             )
         self.searches: list[_PromptSearch] = []
         for prompt_text, prompt_ids in prompts:
             if not prompt_ids:
-                raise ValueError("prompt must not be empty.")
+                raise RequestError("prompt", "prompt must not be empty.")
             if len(prompt_ids) + params.max_tokens > max_model_len:
-                raise ValueError(
+                raise RequestError(
+                    "prompt",
                     f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} is longer than "
-                    f"the model's maximum context length of {max_model_len} tokens."
+                    f"the model's maximum context length of {max_model_len} tokens.",
                 )
             self.searches.append(_PromptSearch(prompt_text, list(prompt_ids), [_Beam(list(prompt_ids), 0.0)]))
         self.step_params = SamplingParams(

@@ -56,10 +56,10 @@ from pagedllm.engine.core_protocol import (
     Shutdown,
     StartFailed,
     Welcome,
-    check_wire_priority,
+    rejection_error,
 )
 from pagedllm.engine.dp_router import PrefixRouter
-from pagedllm.engine.errors import EngineDeadError, QueueFullError
+from pagedllm.engine.errors import EngineDeadError, RequestError
 from pagedllm.engine.output_deltas import DeltaAccumulator, metrics_from_times
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
@@ -257,10 +257,9 @@ class CoreClient:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
     ) -> None:
-        """Send a request to a core; the listener hears ``accepted`` or ``rejected`` for it. A
-        ``priority`` that no message can carry (not a 64-bit integer) raises ValueError here, and
-        nothing is sent; whether the core's scheduling policy takes it is the core's to say."""
-        check_wire_priority(priority)
+        """Send a request to a core; the listener hears ``accepted`` or ``rejected`` for it (the
+        caller has checked ``priority`` with :func:`~pagedllm.engine.engine_checks.check_priority`;
+        a value no message can carry is refused as the request cannot be sent)."""
         self._put(_Add(request_id, prompt, prompt_ids, params, priority))
 
     def abort(self, request_ids: list[str]) -> None:
@@ -434,7 +433,7 @@ class CoreClient:
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
             self._acc.pop(cmd.request_id, None)  # a value no message can carry: this request alone fails
             self.listener.rejected(
-                cmd.request_id, ValueError(f"The request cannot be sent to the engine: {exc}")
+                cmd.request_id, RequestError(None, f"The request cannot be sent to the engine: {exc}")
             )
             return
         if not self._send(core, payload):
@@ -465,10 +464,7 @@ class CoreClient:
                 listener.accepted(rid)
             for rej in message.rejected:
                 self._finish(rej.request_id)
-                exc: BaseException = (
-                    QueueFullError(rej.message) if rej.queue_full else ValueError(rej.message)
-                )
-                listener.rejected(rej.request_id, exc)
+                listener.rejected(rej.request_id, rejection_error(rej))
             outputs: list[RequestOutput | EmbeddingRequestOutput] = []
             for delta in message.deltas:
                 acc = self._acc.get(delta.request_id)

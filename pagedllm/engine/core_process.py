@@ -3,14 +3,15 @@ served to front-end processes over ZeroMQ.
 
 Two threads share the process:
 
-* the **step loop** (the main thread) is the only one that touches the engine: it applies the
-  commands the I/O thread queued (add, abort, shutdown), runs a step when requests are unfinished,
-  and hands each front-end one :class:`~pagedllm.engine.core_protocol.CoreOutputs` per iteration
-  (acceptances, rejections, output deltas, stats) through an in-process socket;
+* the **step loop** (the main thread) is an :class:`~pagedllm.engine.engine_core.EngineCore`, the
+  same as an engine served in one process: it applies the commands the I/O thread submitted (add,
+  abort, shutdown, a snapshot, a prefix-cache reset), runs a step when requests are unfinished,
+  and through :class:`EngineCoreProc`, its transport, hands each front-end one
+  :class:`~pagedllm.engine.core_protocol.CoreOutputs` per iteration (acceptances, rejections with
+  their typed errors, output deltas, stats) through an in-process socket;
 * the **I/O thread** owns the sockets to the front-ends: it decodes incoming messages into
-  commands (a request with a grammar is first compiled on a worker thread, so a slow grammar never
-  stalls a step), forwards the step loop's messages, and sends a heartbeat whenever the step loop
-  has said nothing for :data:`HEARTBEAT_S` (a long forward included), so that front-ends can tell a
+  commands, forwards the step loop's messages, and sends a heartbeat whenever the step loop has
+  said nothing for :data:`HEARTBEAT_S` (a long forward included), so that front-ends can tell a
   busy core from a dead one.
 
 Start-up: the core connects a DEALER socket to front-end 0, loads the model, and says
@@ -23,15 +24,13 @@ exits 0 on :class:`Shutdown`, on SIGTERM, when no front-end has been heard from 
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,22 +48,30 @@ from pagedllm.engine.core_protocol import (
     EngineStateQuery,
     Hello,
     Ping,
-    Rejection,
     ResetPrefixCache,
     Shutdown,
     StartFailed,
     Welcome,
+    rejection,
     undecodable_request,
 )
-from pagedllm.engine.engine_state import encode_state
-from pagedllm.engine.metrics import StatLogger
+from pagedllm.engine.engine_core import (
+    AbortCommand,
+    AddCommand,
+    CoreCommand,
+    EngineCore,
+    StopCommand,
+    engine_info,
+)
+from pagedllm.engine.engine_state import EngineCall, encode_state
+from pagedllm.engine.errors import RequestError, as_request_error
 from pagedllm.engine.output_deltas import DeltaEncoder, metrics_times
+from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.core")
 
@@ -87,33 +94,9 @@ class CoreOptions:
     log_level: str = "info"
 
 
-def engine_info(engine: LLMEngine) -> EngineInfo:
-    config = engine.config
-    pooling = None
-    if engine.task == "embed":
-        pc = engine.pooling_config
-        pooling = (pc.pooling_type, pc.normalize, pc.hidden_size, pc.matryoshka_dimensions)
-    return EngineInfo(
-        model_name=str(engine.model_name),
-        task=engine.task,
-        max_model_len=int(engine.max_model_len),
-        vocab_size=int(engine.vocab_size),
-        eos_token_ids=list(engine.eos_token_ids),
-        default_sampling=dict(engine.default_sampling),
-        block_size=config.block_size,
-        num_kv_blocks=engine.kv_cache_manager.pool.num_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_logprobs=config.max_logprobs,
-        enable_prefix_caching=engine.kv_cache_manager.enable_caching,
-        pooling=pooling,
-        scheduling_policy=config.scheduling_policy,
-        max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
-    )
-
-
 class _CoreIO:
-    """The I/O thread's state: sockets to the front-ends, the command queue of the step loop, and
-    the grammar compilations in progress."""
+    """The I/O thread's state: sockets to the front-ends, and the step loop's core that it submits
+    the front-ends' commands to."""
 
     def __init__(self, options: CoreOptions, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.options = options
@@ -121,9 +104,7 @@ class _CoreIO:
         self.codec = Codec()
         self.identity = f"core-{options.rank}".encode()
         self.dealers: list[zmq.Socket[bytes]] = [self._connect(options.frontend_address)]
-        self.commands: queue.SimpleQueue[
-            AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery
-        ] = queue.SimpleQueue()
+        self.core: EngineCore | None = None  # the step loop, set before the I/O thread starts
         # request id -> the front-end (index) that sent it: set by the I/O thread as the request
         # arrives (before the step loop sees it), read and dropped by the step loop (each a single
         # dict operation).
@@ -133,16 +114,15 @@ class _CoreIO:
         self.outbox.bind(f"inproc://core-out-{id(self)}")
         self.sender = ctx.socket(zmq.PAIR)  # used by the step loop only
         self.sender.connect(f"inproc://core-out-{id(self)}")
-        self.compiler = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagedllm-grammar")
-        self.compiling: dict[str, tuple[float, concurrent.futures.Future[object], AddRequest]] = {}
         self.stats_for_heartbeat: CoreOutputs | None = None
+        # Snapshots taken by the step loop, (front-end, query id, JSON), sent with its next outputs
+        # (the step loop alone touches it).
+        self.state_answers: list[tuple[int, int, bytes]] = []
         self.last_sent = 0.0
         self.last_heard = time.monotonic()
         self.parent_pid = os.getppid()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
-        # Compiles a request's grammar into the engine's cache (set once the engine is loaded).
-        self.grammar_compile: Callable[[StructuredOutputsParams], object] | None = None
 
     def _connect(self, address: str) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(zmq.DEALER)
@@ -190,8 +170,7 @@ class _CoreIO:
             poller.register(sock, zmq.POLLIN)
         decode = self.codec.to_core.decode
         while not self.stopping.is_set():
-            # While grammars compile, look at them often: a compiled request waits for this loop.
-            ready = dict(poller.poll(5 if self.compiling else int(HEARTBEAT_S * 500)))
+            ready = dict(poller.poll(int(HEARTBEAT_S * 500)))
             if self.outbox in ready:
                 while self.outbox.poll(0):
                     target_b, payload = self.outbox.recv_multipart()
@@ -217,9 +196,11 @@ class _CoreIO:
                             "Core %d: could not handle a %s.", self.options.rank, type(message).__name__
                         )
                         if isinstance(message, AddRequest):
-                            self._reject(message.request_id, f"The engine could not take this request: {exc}")
+                            self._reject(
+                                message.request_id,
+                                RequestError(None, f"The engine could not take this request: {exc}"),
+                            )
                 self.last_heard = time.monotonic()
-            self._check_compiles()
             now = time.monotonic()
             if now - self.last_sent >= HEARTBEAT_S:
                 beat = self.stats_for_heartbeat or CoreOutputs(self.options.rank, now)
@@ -230,7 +211,7 @@ class _CoreIO:
                 self.last_sent = now
             if os.getppid() != self.parent_pid:
                 logger.error("Core %d: the process that started it has exited; exiting.", self.options.rank)
-                self.commands.put(Shutdown())
+                self._submit(StopCommand())
                 return
             if now - self.last_heard > FRONTEND_TIMEOUT_S:
                 logger.error(
@@ -238,33 +219,37 @@ class _CoreIO:
                     self.options.rank,
                     FRONTEND_TIMEOUT_S,
                 )
-                self.commands.put(Shutdown())
+                self._submit(StopCommand())
                 return
+
+    def _submit(self, command: CoreCommand) -> None:
+        assert self.core is not None, "the I/O thread runs once the step loop exists"
+        self.core.submit(command)
 
     def _handle(self, index: int, message: object) -> None:
         if isinstance(message, AddRequest):
             self.owner[message.request_id] = index
-            sp = message.sampling
-            if sp is not None and sp.structured_outputs is not None and self.grammar_compile is not None:
-                future: concurrent.futures.Future[object] = self.compiler.submit(
-                    self.grammar_compile, sp.structured_outputs
-                )
-                self.compiling[message.request_id] = (time.monotonic(), future, message)
-                return
-            self.commands.put(message)
+            params = message.sampling if message.sampling is not None else message.pooling
+            self._submit(AddCommand(message.request_id, message.prompt_token_ids, params, message.priority))
         elif isinstance(message, AbortRequests):
-            for rid in message.request_ids:
-                entry = self.compiling.pop(rid, None)
-                if entry is not None:
-                    self.owner.pop(rid, None)
-            self.commands.put(message)
-        elif isinstance(message, Shutdown | ResetPrefixCache):
-            self.commands.put(message)
+            self._submit(AbortCommand(message.request_ids))
+        elif isinstance(message, Shutdown):
+            self._submit(StopCommand())
+        elif isinstance(message, ResetPrefixCache):
+            self._submit(EngineCall(self._reset_prefix_cache))
         elif isinstance(message, EngineStateQuery):
-            message.frontend = index
-            self.commands.put(message)
+            query_id = message.query_id
+            self._submit(
+                EngineCall(lambda engine: self.state_answers.append((index, query_id, encode_state(engine))))
+            )
         elif isinstance(message, Ping | Welcome):
             pass
+
+    def _reset_prefix_cache(self, engine: LLMEngine) -> None:
+        if not engine.reset_prefix_cache():
+            logger.warning(
+                "Core %d: the prefix cache was not reset (requests hold blocks).", self.options.rank
+            )
 
     def _undecodable(self, index: int, raw: bytes, exc: Exception) -> None:
         """A message that does not decode into one of the core's types changes nothing: a request
@@ -276,49 +261,34 @@ class _CoreIO:
             return
         detail = str(exc).split(" - at `", 1)[0]
         if field is None or not detail.startswith("Expected"):  # the parameters' own check names it
-            self._reject(request_id, detail, index)
+            cause = exc.__cause__
+            param = cause.param if isinstance(cause, RequestError) else None
+            self._reject(request_id, RequestError(param, detail), index)
         else:
-            self._reject(request_id, f"{field}: the engine cannot take this value: {detail}.", index)
+            param = field.split(".", 1)[0].split("[", 1)[0]
+            self._reject(
+                request_id,
+                RequestError(param, f"{field}: the engine cannot take this value: {detail}."),
+                index,
+            )
 
-    def _check_compiles(self) -> None:
-        """Hand compiled requests to the step loop; refuse those whose grammar failed or is too slow."""
-        if not self.compiling:
-            return
-        now = time.monotonic()
-        timeout = self.options.grammar_compile_timeout
-        for rid, (started, future, message) in list(self.compiling.items()):
-            if future.done():
-                del self.compiling[rid]
-                exc = future.exception()
-                if exc is None:
-                    self.commands.put(message)
-                else:
-                    self._reject(rid, f"{exc}")
-            elif now - started > timeout:
-                del self.compiling[rid]
-                self._reject(
-                    rid, f"structured_outputs: compiling the grammar took longer than {timeout:g} s."
-                )
-
-    def _reject(self, request_id: str, message: str, index: int | None = None) -> None:
+    def _reject(self, request_id: str, error: RequestError, index: int | None = None) -> None:
         """Refuse a request: to front-end ``index`` when given (the request's id is not taken over
         from the request in flight that may hold it), else to its owner."""
         if index is None:
             index = self.owner.pop(request_id, 0)
-        out = CoreOutputs(
-            self.options.rank, time.monotonic(), rejected=[Rejection(request_id, False, message)]
-        )
+        out = CoreOutputs(self.options.rank, time.monotonic(), rejected=[rejection(request_id, error)])
         self.dealers[index].send(self.codec.encode(out))
 
     def close(self) -> None:
         self.stopping.set()
         if self.thread is not None:
             self.thread.join(2.0)
-        self.compiler.shutdown(wait=False, cancel_futures=True)
 
 
 class EngineCoreProc:
-    """The step loop of one core process (see the module docstring)."""
+    """The transport of a core process's step loop (see the module docstring): it gathers what one
+    loop iteration has for each front-end and sends it when the iteration is done."""
 
     def __init__(self, engine: LLMEngine, io: _CoreIO, options: CoreOptions) -> None:
         self.engine = engine
@@ -329,49 +299,8 @@ class EngineCoreProc:
         self.num_frontends = len(io.dealers)
         pool = engine.kv_cache_manager.pool
         pool.report_events = options.report_cache_events
-        self.stat_logger = StatLogger(options.log_stats_interval) if options.log_stats_interval else None
         self.last_step = 0  # the latest step record sent to the front-ends
-
-    def run(self) -> None:
-        engine = self.engine
-        io = self.io
-        step = engine.step_pooling if engine.task == "embed" else engine.step
-        idle = True
-        while True:
-            busy = engine.has_unfinished_requests()
-            commands = self._next_commands(block=not busy)
-            outs = self._new_outputs()
-            if self._apply(commands, outs):
-                return
-            if engine.has_unfinished_requests():
-                if idle and self.stat_logger is not None:
-                    self.stat_logger.reset(engine.get_stats())
-                idle = False
-                for out in step():
-                    self._add_output(outs, out)
-            else:
-                idle = True
-            self._flush(outs, log=not idle)
-            if io.thread is not None and not io.thread.is_alive():
-                return
-
-    # -- commands ---------------------------------------------------------------------------
-
-    def _next_commands(
-        self, *, block: bool
-    ) -> list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery]:
-        commands: list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery] = []
-        q = self.io.commands
-        if block:
-            try:
-                commands.append(q.get(timeout=HEARTBEAT_S))
-            except queue.Empty:
-                return commands
-        while True:
-            try:
-                commands.append(q.get_nowait())
-            except queue.Empty:
-                return commands
+        self.outs = self._new_outputs()
 
     def _new_outputs(self) -> list[CoreOutputs]:
         now = time.monotonic()
@@ -380,61 +309,30 @@ class EngineCoreProc:
     def _owner(self, request_id: str) -> int:
         return self.io.owner.get(request_id, 0)
 
-    def _apply(
-        self,
-        commands: list[AddRequest | AbortRequests | Shutdown | ResetPrefixCache | EngineStateQuery],
-        outs: list[CoreOutputs],
-    ) -> bool:
-        """Apply commands in order; True when asked to stop."""
-        engine = self.engine
-        waiting: int | None = None
-        limit = self.options.max_queued_requests
-        for cmd in commands:
-            if isinstance(cmd, Shutdown):
-                return True
-            if isinstance(cmd, EngineStateQuery):  # between two steps: one state the engine was in
-                outs[min(cmd.frontend, len(outs) - 1)].state = (cmd.query_id, encode_state(engine))
-                continue
-            if isinstance(cmd, ResetPrefixCache):
-                if not engine.reset_prefix_cache():
-                    logger.warning(
-                        "Core %d: the prefix cache was not reset (requests hold blocks).", self.options.rank
-                    )
-                continue
-            if isinstance(cmd, AbortRequests):
-                engine.abort_request(cmd.request_ids)
-                for rid in cmd.request_ids:
-                    self.deltas.forget(rid)
-                    self.io.owner.pop(rid, None)
-                continue
-            rid = cmd.request_id
-            out = outs[self._owner(rid)]
-            params = cmd.sampling if cmd.sampling is not None else cmd.pooling
-            n = cmd.sampling.n if cmd.sampling is not None else 1
-            if limit is not None:
-                if waiting is None:
-                    waiting = engine.get_stats().num_waiting
-                if waiting + n > limit:
-                    out.rejected.append(
-                        Rejection(
-                            rid,
-                            True,
-                            f"The server is overloaded: {waiting} sequences are already waiting and this "
-                            f"request adds {n} (max_queued_requests={limit}). Retry later.",
-                        )
-                    )
-                    self.io.owner.pop(rid, None)
-                    continue
-            try:
-                engine.add_request(rid, cmd.prompt_token_ids, params, priority=cmd.priority)
-            except Exception as exc:  # noqa: BLE001 - a rejected request reports to its front-end
-                out.rejected.append(Rejection(rid, False, str(exc)))
-                self.io.owner.pop(rid, None)
-                continue
-            if waiting is not None:
-                waiting += n
-            out.accepted.append(rid)
-        return False
+    # -- the core's answers ----------------------------------------------------------------------
+
+    def accepted(self, request_id: str) -> None:
+        self.outs[self._owner(request_id)].accepted.append(request_id)
+
+    def rejected(self, request_id: str, exc: BaseException) -> None:
+        self.outs[self._owner(request_id)].rejected.append(rejection(request_id, as_request_error(exc)))
+        self.io.owner.pop(request_id, None)
+
+    def aborted(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.deltas.forget(rid)
+            self.io.owner.pop(rid, None)
+
+    def outputs(self, outputs: Sequence[RequestOutput | EmbeddingRequestOutput]) -> None:
+        for out in outputs:
+            self._add_output(self.outs, out)
+
+    def iteration_done(self, stats: EngineStats, *, stepped: bool) -> None:
+        outs, self.outs = self.outs, self._new_outputs()
+        while self.io.state_answers:
+            index, query_id, state = self.io.state_answers.pop(0)
+            outs[min(index, len(outs) - 1)].state = (query_id, state)
+        self._flush(outs, stats)
 
     # -- outputs ----------------------------------------------------------------------------
 
@@ -450,11 +348,10 @@ class EngineCoreProc:
         if out.finished:
             self.io.owner.pop(rid, None)
 
-    def _flush(self, outs: list[CoreOutputs], *, log: bool) -> None:
+    def _flush(self, outs: list[CoreOutputs], stats: EngineStats) -> None:
         """Send each front-end its part; stats (and cache events, token intervals) go to every
         front-end, intervals to front-end 0 only (it records the latency histogram)."""
         engine = self.engine
-        stats = engine.get_stats()
         intervals = engine.pop_token_intervals()
         added, removed = engine.kv_cache_manager.pool.take_events()
         steps = engine.step_events.since(self.last_step) if engine.task != "embed" else []
@@ -486,8 +383,6 @@ class EngineCoreProc:
             # step recorded past the message's receipt (a first token after the client got it).
             out.core_time = time.monotonic()
             self.io.send(index, self.codec.encode(out))
-        if log and self.stat_logger is not None:
-            self.stat_logger.maybe_log(stats)
 
 
 def run_engine_core(config: EngineConfig, options: CoreOptions) -> None:
@@ -519,10 +414,17 @@ def run_engine_core(config: EngineConfig, options: CoreOptions) -> None:
     status = 0
     try:
         io.greet(engine_info(engine), timeout=FRONTEND_TIMEOUT_S)
-        # Set up on first use (xgrammar loads slowly; a model it cannot serve refuses the request).
-        io.grammar_compile = lambda params: engine.structured_output_manager.compile(params)
+        io.core = EngineCore(
+            engine,
+            EngineCoreProc(engine, io, options),
+            max_queued_requests=options.max_queued_requests,
+            grammar_compile_timeout=options.grammar_compile_timeout,
+            log_stats_interval=options.log_stats_interval,
+            idle_wait=HEARTBEAT_S,
+            should_stop=lambda: io.thread is not None and not io.thread.is_alive(),
+        )
         io.start()
-        EngineCoreProc(engine, io, options).run()
+        io.core.run()
     except SystemExit:
         pass
     except BaseException as exc:  # noqa: BLE001 - every front-end learns why the core stops

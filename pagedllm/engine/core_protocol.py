@@ -23,15 +23,21 @@ from __future__ import annotations
 
 import msgspec
 
+from pagedllm.engine.engine_checks import check_wire_priority
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
+from pagedllm.errors import RequestError, request_error
+from pagedllm.model.pooling import PoolingConfig
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
 class EngineInfo(msgspec.Struct, array_like=True):
-    """What a front-end needs to know about the engine a core runs (same for every core)."""
+    """What a front-end knows of the engine it serves, and all it knows (the same for every core;
+    the front-end's tokenizer is its own): the model, its task and generation defaults, and the
+    engine's limits. A core reports it in :class:`Hello`; an engine in the front-end's process is
+    described by :func:`~pagedllm.engine.engine_core.engine_info`."""
 
     model_name: str
     task: str  # "generate" or "embed"
@@ -49,6 +55,11 @@ class EngineInfo(msgspec.Struct, array_like=True):
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priorities are taken)
     max_num_batched_tokens: int = 0  # a step's token budget (0: not reported)
 
+    @property
+    def pooling_config(self) -> PoolingConfig | None:
+        """The pooling of an embed engine (None for a generating one)."""
+        return PoolingConfig(*self.pooling) if self.pooling is not None else None
+
 
 # -- front-end -> core ------------------------------------------------------------------------
 
@@ -59,20 +70,6 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     sampling: SamplingParams | None = None  # a generate request
     pooling: PoolingParams | None = None  # an embed request
     priority: int = 0  # lower first, under the "priority" scheduling policy
-
-
-PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # what a msgpack integer carries
-
-
-def check_wire_priority(priority: object) -> None:
-    """Raise ValueError naming ``priority`` unless it is an integer (not a boolean) that an
-    :class:`AddRequest` can carry."""
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise ValueError(f"priority must be an integer, got {priority!r}.")
-    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise ValueError(
-            f"priority must be a 64-bit integer ({PRIORITY_MIN} to {PRIORITY_MAX}), got {priority}."
-        )
 
 
 def undecodable_request(raw: bytes, exc: Exception) -> tuple[str | None, str | None]:
@@ -144,9 +141,23 @@ class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
 
 
 class Rejection(msgspec.Struct, array_like=True):
+    """A refused request: the fields of the :class:`~pagedllm.errors.RequestError` the core raised,
+    which the front-end raises again."""
+
     request_id: str
-    queue_full: bool  # True: the waiting queue is full (503); False: invalid request (400)
+    param: str | None  # the request field at fault (None: none in particular)
+    code: str | None  # None: an invalid request (400); "queue_full": the waiting queue is full (503)
     message: str
+
+
+def rejection(request_id: str, error: RequestError) -> Rejection:
+    """The message that refuses ``request_id`` with ``error``."""
+    return Rejection(request_id, error.param, error.code, error.message)
+
+
+def rejection_error(message: Rejection) -> RequestError:
+    """The error a front-end raises for a rejection (the core's, typed as it was)."""
+    return request_error(message.param, message.message, message.code)
 
 
 class CompletionDelta(msgspec.Struct, array_like=True):
@@ -236,5 +247,7 @@ __all__ = [
     "ToCore",
     "Welcome",
     "check_wire_priority",
+    "rejection",
+    "rejection_error",
     "undecodable_request",
 ]

@@ -1,20 +1,62 @@
 """Checks of engine options and request fields made before anything is queued or started; each error
-is a ValueError naming the field."""
+names the field (a :class:`~pagedllm.errors.RequestError` for a request's)."""
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from pagedllm.config import EngineConfig
+from pagedllm.errors import RequestError
 from pagedllm.spec.config import SpeculativeConfig, parse_speculative_config
 
+# What a msgpack integer carries: a priority outside this range cannot reach an engine-core process.
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
-def check_priority(priority: object, policy: str) -> None:
-    """Raise ValueError naming ``priority`` unless it is an integer the policy accepts."""
+
+def check_wire_priority(priority: object) -> None:
+    """Raise :class:`RequestError` naming ``priority`` unless it is an integer (not a boolean) that a
+    message to an engine-core process can carry (64 bits)."""
     if not isinstance(priority, int) or isinstance(priority, bool):
-        raise ValueError(f"priority must be an integer, got {priority!r}.")
+        raise RequestError("priority", f"priority must be an integer, got {priority!r}.")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise RequestError(
+            "priority",
+            f"priority must be a 64-bit integer ({PRIORITY_MIN} to {PRIORITY_MAX}), got {priority}.",
+        )
+
+
+def check_priority(priority: object, policy: str, *, wire: bool = True) -> None:
+    """Raise :class:`RequestError` naming ``priority`` unless it is an integer that the scheduling
+    policy takes (any under ``priority``, only 0 under ``fcfs``) and, with ``wire``, that a message to
+    an engine-core process can carry (every front-end checks so; an engine in this process takes any
+    integer). The one check of a request's priority, wherever a request comes in."""
+    if wire:
+        check_wire_priority(priority)
+    elif not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError("priority", f"priority must be an integer, got {priority!r}.")
     if priority != 0 and policy != "priority":
-        raise ValueError(
+        raise RequestError(
+            "priority",
             f"priority {priority}: requests have priorities under scheduling_policy 'priority' only "
-            f"(this engine runs {policy!r}; start it with --scheduling-policy priority)."
+            f"(this engine runs {policy!r}; start it with --scheduling-policy priority).",
+        )
+
+
+def check_new_request_id(request_id: str, in_use: Container[str]) -> None:
+    """Raise :class:`RequestError` naming ``request_id`` when a request of that id is in flight
+    (``in_use``): the one check of a reused id, in every place that keys requests by it."""
+    if request_id in in_use:
+        raise RequestError("request_id", f"request_id {request_id!r} is already in use.")
+
+
+def check_sequence_ids(request_id: str, sequence_ids: list[str], in_use: Container[str]) -> None:
+    """Raise :class:`RequestError` naming ``request_id`` when one of its sequence ids (the request id,
+    or ``{i}_{request_id}`` for n > 1) is another request's: "0_X" of a request "X" with n = 2 and a
+    request "0_X" would collide."""
+    taken = [sid for sid in sequence_ids if sid in in_use]
+    if taken:
+        raise RequestError(
+            "request_id", f"request_id {request_id!r}: sequence id {taken[0]!r} is already in use."
         )
 
 

@@ -97,7 +97,7 @@ def encode_state(engine: Any) -> bytes:
 
 class EngineCall:
     """A function for the engine thread to run between two steps; its result (or exception) goes
-    to ``future``. A command of :class:`~pagedllm.engine.async_engine.AsyncLLMEngine`."""
+    to ``future``. A command of :class:`~pagedllm.engine.engine_core.EngineCore`."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn = fn

@@ -2,7 +2,7 @@
 
 :meth:`InputProcessor.process` tokenizes the prompt, checks every limit (vocabulary, context length,
 KV cache size, logprob counts), compiles a structured-output grammar if one is asked for, and builds
-the request's ``n`` sequences. It raises ``ValueError`` naming the problem and changes no engine
+the request's ``n`` sequences. It raises :class:`~pagedllm.errors.RequestError` naming the field and changes no engine
 state, so a rejected request leaves nothing behind.
 """
 
@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.errors import RequestError, context_length_error
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,14 +38,16 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[int], vocab_size: int) ->
     id outside the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("prompt must not be empty.")
+            raise RequestError("prompt", "prompt must not be empty.")
         return prompt, list(tokenizer.encode(prompt, add_special_tokens=True))
     ids = list(prompt)
     if not ids:
-        raise ValueError("prompt must not be empty.")
+        raise RequestError("prompt", "prompt must not be empty.")
     for t in ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ValueError(f"prompt contains token id {t!r} outside the vocabulary (size {vocab_size}).")
+            raise RequestError(
+                "prompt", f"prompt contains token id {t!r} outside the vocabulary (size {vocab_size})."
+            )
     return None, ids
 
 
@@ -103,37 +106,43 @@ class InputProcessor:
         """Validate and build the sequences of one request (ids ``request_id`` or ``{i}_{request_id}``)."""
         limits = self.limits
         if params.n > limits.max_num_seqs:
-            raise ValueError(
+            raise RequestError(
+                "n",
                 f"n must be at most max_num_seqs ({limits.max_num_seqs}), the sequences that run at once; "
-                f"got {params.n}."
+                f"got {params.n}.",
             )
         text, ids = self.tokenize(prompt)
         params.verify_vocab(limits.vocab_size)
         if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-            raise ValueError(f"logprobs must be at most {limits.max_logprobs}, got {params.logprobs}.")
+            raise RequestError(
+                "logprobs", f"logprobs must be at most {limits.max_logprobs}, got {params.logprobs}."
+            )
         grammar = (
             self.structured_output_manager.compile(params.structured_outputs)
             if params.structured_outputs is not None
             else None
         )
         if params.prompt_logprobs is not None and params.prompt_logprobs > limits.max_logprobs:
-            raise ValueError(
-                f"prompt_logprobs must be at most {limits.max_logprobs}, got {params.prompt_logprobs}."
+            raise RequestError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be at most {limits.max_logprobs}, got {params.prompt_logprobs}.",
             )
         n_prompt = len(ids)
         max_len = limits.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n_prompt
         if n_prompt + max(max_tokens, 1) > max_len or max_tokens < 1:
-            raise ValueError(
+            raise context_length_error(
+                "prompt",
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion."
+                "the completion). Please reduce the length of the messages or completion.",
             )
         bs = limits.block_size
         if -(-(n_prompt + max_tokens) // bs) > limits.num_kv_blocks:
-            raise ValueError(
+            raise RequestError(
+                "prompt",
                 f"prompt of {n_prompt} tokens plus max_tokens={max_tokens} needs more KV cache than the "
-                f"engine has ({limits.num_kv_blocks} blocks of {bs} tokens)."
+                f"engine has ({limits.num_kv_blocks} blocks of {bs} tokens).",
             )
         bad_words = self.bad_words_ids(params.bad_words) if params.bad_words else []
         arrival = arrival_time if arrival_time is not None else time.monotonic()

@@ -15,12 +15,19 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedllm.engine.engine_checks import check_priority, check_speculative, resolve_step_time
+from pagedllm.engine.engine_checks import (
+    check_new_request_id,
+    check_priority,
+    check_sequence_ids,
+    check_speculative,
+    resolve_step_time,
+)
 from pagedllm.engine.input_processor import InputLimits, InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_processor import PoolingLimits, PoolingProcessor, resolve_task
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepEvents
+from pagedllm.errors import RequestError
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.generation_config import load_generation_defaults
 from pagedllm.model.pooling import resolve_pooling_config
@@ -303,40 +310,32 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validate and queue a request: SamplingParams for a generate engine, PoolingParams for an
-        embed engine (None means the defaults of either). ``priority`` orders requests under the
-        ``priority`` scheduling policy (lower first; any other value than 0 is refused under
-        ``fcfs``). Raises ValueError (changing nothing) on bad input or on parameters of the other
-        task."""
-        check_priority(priority, self.scheduler.config.policy)
+        embed engine (None: the defaults of either). ``priority`` orders requests under the ``priority``
+        policy (lower first; only 0 under ``fcfs``). Raises RequestError naming the field, changing nothing."""
+        check_priority(priority, self.scheduler.config.policy, wire=False)
         if self.task == "embed":
             if isinstance(params, SamplingParams):
                 how = "a decoder model" if isinstance(self.executor, EncoderExecutor) else "this model"
-                raise ValueError(
+                raise RequestError(
+                    None,
                     f"This engine runs task 'embed' ({self.model_name}): it embeds (LLM.embed, /v1/embeddings) "
-                    f"and does not generate; to generate, start {how} with task='generate' (--task generate)."
+                    f"and does not generate; to generate, start {how} with task='generate' (--task generate).",
                 )
-            if request_id in self.output_processor.parents:
-                raise ValueError(f"request_id {request_id!r} is already in use.")
             request = self.pooling.make_request(request_id, prompt, params or PoolingParams(), arrival_time)
             request.priority = priority
             self.scheduler.add_request(request)
             return
         if isinstance(params, PoolingParams):
-            raise ValueError(
+            raise RequestError(
+                None,
                 f"This engine runs task 'generate' ({self.model_name}): it does not embed; start it with "
-                "task='embed' (--task embed) for embeddings."
+                "task='embed' (--task embed) for embeddings.",
             )
         params = params or SamplingParams()
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
+        check_new_request_id(request_id, self.output_processor.parents)
         processed = self.input_processor.process(request_id, prompt, params, arrival_time)
-        # Sequence ids (the request id, or "{i}_{request_id}" for n > 1) must not collide with another
-        # request's sequences: "0_X" of a request "X" with n = 2 and a request "0_X" would.
-        in_use = [
-            s.request_id for s in processed.sequences if s.request_id in self.output_processor.sequences
-        ]
-        if in_use:
-            raise ValueError(f"request_id {request_id!r}: sequence id {in_use[0]!r} is already in use.")
+        sequence_ids = [s.request_id for s in processed.sequences]
+        check_sequence_ids(request_id, sequence_ids, self.output_processor.sequences)
         self.output_processor.add_request(request_id, processed.prompt, processed.sequences)
         for req in processed.sequences:
             req.priority = priority

@@ -22,17 +22,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_mp_engine import RemoteEngine, _total
+from pagedllm.engine.async_mp_engine import total_stats
 from pagedllm.engine.core_client import CoreClient
 from pagedllm.engine.core_launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
 from pagedllm.engine.core_process import CoreOptions
-from pagedllm.engine.core_protocol import check_wire_priority
-from pagedllm.engine.errors import EngineDeadError
-from pagedllm.engine.llm_engine import check_priority
+from pagedllm.engine.engine_checks import check_new_request_id, check_priority
+from pagedllm.engine.errors import EngineDeadError, RequestError
+from pagedllm.engine.input_processor import tokenize_prompt
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
 from pagedllm.model.loader import load_model_tokenizer
-from pagedllm.model.tokenizer import with_chat_template
+from pagedllm.model.tokenizer import render_chat, with_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -90,7 +90,7 @@ class _Sink:
         pass
 
 
-class MPLLMEngine(RemoteEngine):
+class MPLLMEngine:
     """An offline engine whose model runs in core processes (see the module docstring).
 
     Not thread-safe: one thread calls it, as with :class:`LLMEngine`.
@@ -131,11 +131,33 @@ class MPLLMEngine(RemoteEngine):
         except RuntimeError as exc:
             self._finalizer()
             raise ValueError(f"Could not start the engine: {exc}") from None
-        # The tokenizer and the model's facts, as a front-end sees them.
-        RemoteEngine.__init__(self, info, tokenizer, config)
+        # The tokenizer and the model's facts, as a front-end sees them (what LLM reads of an engine).
+        self.info = info
+        self.tokenizer = tokenizer
+        self.model_name = info.model_name
+        self.task = info.task
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = list(info.eos_token_ids)
+        self.default_sampling: dict[str, float | int] = dict(info.default_sampling)
+        self.pooling_config = info.pooling_config
+        self.scheduling_policy = info.scheduling_policy
+        self.max_num_batched_tokens = info.max_num_batched_tokens or info.max_model_len
         self.input_processor = self  # .tokenize(prompt), as beam search asks
         self._unfinished: set[str] = set()
         self.client.start()
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """A prompt's text (None for ids) and token ids, checked as the engine checks them."""
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -152,14 +174,16 @@ class MPLLMEngine(RemoteEngine):
         (or not 0 under ``fcfs``); the core's own checks raise from the next :meth:`step`."""
         if self._sink.dead is not None:
             raise EngineDeadError(self.client.dead_message())
-        check_wire_priority(priority)
         check_priority(priority, self.scheduling_policy)
-        if request_id in self._unfinished:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
+        check_new_request_id(request_id, self._unfinished)
         if self.task == "embed" and isinstance(params, SamplingParams):
-            raise ValueError(f"This engine runs task 'embed' ({self.model_name}): it does not generate.")
+            raise RequestError(
+                None, f"This engine runs task 'embed' ({self.model_name}): it does not generate."
+            )
         if self.task == "generate" and isinstance(params, PoolingParams):
-            raise ValueError(f"This engine runs task 'generate' ({self.model_name}): it does not embed.")
+            raise RequestError(
+                None, f"This engine runs task 'generate' ({self.model_name}): it does not embed."
+            )
         if params is None:
             params = PoolingParams() if self.task == "embed" else SamplingParams()
         text, ids = self.tokenize(prompt)
@@ -223,7 +247,7 @@ class MPLLMEngine(RemoteEngine):
 
     def get_stats(self) -> EngineStats:
         """The sum of the cores' latest statistics (at most a heartbeat old)."""
-        return _total(list(self._core_stats.values()))
+        return total_stats(list(self._core_stats.values()))
 
     def reset_prefix_cache(self) -> bool:
         """Ask every core to forget its cached blocks, after the requests already sent (a core whose

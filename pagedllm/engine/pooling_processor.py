@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.engine.engine_checks import check_new_request_id
 from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.errors import RequestError, context_length_error
 from pagedllm.model.pooling import PoolingConfig, finish_embeddings
 from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics
 from pagedllm.pooling_params import PoolingParams
@@ -64,20 +66,21 @@ class PoolingProcessor:
         Raises ValueError naming the problem (empty prompt, token ids outside the vocabulary, a prompt
         longer than the context or the KV pool, ``dimensions`` the model cannot give), changing nothing.
         """
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
+        check_new_request_id(request_id, self.requests)
         text, ids = self.input_processor.tokenize(prompt)
         self.config.check(params)
         limits = self.limits
         if len(ids) > limits.max_model_len:
-            raise ValueError(
+            raise context_length_error(
+                "prompt",
                 f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
-                f"request has {len(ids)} input tokens. Please reduce the length of the input."
+                f"request has {len(ids)} input tokens. Please reduce the length of the input.",
             )
         if limits.num_kv_blocks is not None and -(-len(ids) // limits.block_size) > limits.num_kv_blocks:
-            raise ValueError(
+            raise RequestError(
+                "prompt",
                 f"prompt of {len(ids)} tokens needs more KV cache than the engine has ({limits.num_kv_blocks} "
-                f"blocks of {limits.block_size} tokens)."
+                f"blocks of {limits.block_size} tokens).",
             )
         request = Request(
             request_id=request_id,

@@ -10,6 +10,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from pagedllm.errors import RequestError
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured.grammar import XGrammarState
 
@@ -40,8 +41,8 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         try:
             return "json", json.dumps(params.json)
         except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"structured_outputs.json: invalid JSON schema (not serializable: {e})."
+            raise RequestError(
+                "structured_outputs", f"structured_outputs.json: invalid JSON schema (not serializable: {e})."
             ) from None
     if params.regex is not None:
         return "regex", params.regex
@@ -123,8 +124,9 @@ class StructuredOutputManager:
             try:
                 json.loads(spec)
             except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"structured_outputs.json: invalid JSON schema (not valid JSON: {e})."
+                raise RequestError(
+                    "structured_outputs",
+                    f"structured_outputs.json: invalid JSON schema (not valid JSON: {e}).",
                 ) from None
         try:
             if kind == "json":
@@ -137,8 +139,9 @@ class StructuredOutputManager:
                 return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
             return self.compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(
-                f"structured_outputs.{kind}: invalid {_KIND_NAMES[kind]}: {_describe(e)}"
+            raise RequestError(
+                "structured_outputs",
+                f"structured_outputs.{kind}: invalid {_KIND_NAMES[kind]}: {_describe(e)}",
             ) from None
 
     def new_state(self, compiled: xgr.CompiledGrammar) -> XGrammarState:

@@ -46,7 +46,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_client import AsyncEngineClient
 from pagedllm.engine.async_mp_engine import AsyncMPEngine
 from pagedllm.engine.metrics import CONTENT_TYPE, EngineMetrics
 from pagedllm.entrypoints.openai.cli_args import (
@@ -131,7 +131,7 @@ class Serving:
     caches facts about endpoint functions in process-wide caches, so handlers that closed over an
     engine would keep it (weights and KV cache) alive after its app is gone."""
 
-    engine: AsyncLLMEngine
+    engine: AsyncEngineClient
     state: ServerState
     metrics: EngineMetrics | None
     served_model_names: list[str]
@@ -185,9 +185,10 @@ async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> R
 @router.get("/v1/models", responses=route_responses(ModelList))
 async def list_models(raw_request: Request) -> Response:
     serving = _serving(raw_request)
-    root = str(serving.engine.engine.model_name)
+    info = serving.engine.info
+    root = info.model_name
     max_model_len = serving.completion.max_model_len
-    generation_config = dict(getattr(serving.engine.engine, "default_sampling", None) or {})
+    generation_config = dict(info.default_sampling)
     cards = [
         ModelCard(id=name, root=root, max_model_len=max_model_len, generation_config=generation_config)
         for name in serving.served_model_names
@@ -243,7 +244,7 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
 
 
 def build_app(
-    engine: AsyncLLMEngine,
+    engine: AsyncEngineClient,
     settings: ServerSettings,
     metrics: EngineMetrics | None = None,
     state: ServerState | None = None,
@@ -251,14 +252,14 @@ def build_app(
     """Build the FastAPI app serving ``engine``; the engine thread and the tokenizer threads start
     and stop with the app."""
     state = state or ServerState()
-    sync_engine = engine.engine
+    info = engine.info
     limits = settings.limits.resolve(
-        max_model_len=int(sync_engine.max_model_len),
-        vocab_size=int(sync_engine.vocab_size),
-        max_num_seqs=getattr(getattr(sync_engine, "config", None), "max_num_seqs", None),
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        max_num_seqs=info.max_num_seqs or None,  # 0: an engine that states no limit
     )
     preprocessor = Preprocessor(
-        sync_engine.tokenizer, limits, trust_request_chat_template=settings.trust_request_chat_template
+        engine.tokenizer, limits, trust_request_chat_template=settings.trust_request_chat_template
     )
 
     @contextlib.asynccontextmanager
@@ -279,7 +280,7 @@ def build_app(
     names = settings.served_model_names
     shared: dict[str, Any] = {
         "max_logprobs": settings.max_logprobs,
-        "tokenizer": private_tokenizer(sync_engine.tokenizer),
+        "tokenizer": private_tokenizer(engine.tokenizer),
         "preprocessor": preprocessor,
     }
     app.state.serving = Serving(
@@ -308,7 +309,7 @@ def build_app(
     return app
 
 
-def _dead(engine: AsyncLLMEngine) -> OpenAIError:
+def _dead(engine: AsyncEngineClient) -> OpenAIError:
     reason = engine.dead_error
     message = "The engine is not running." if reason is None else f"The engine has stopped: {reason}"
     return OpenAIError(message, status_code=503, type="server_error", code="engine_dead")
@@ -318,7 +319,7 @@ class GracefulServer(uvicorn.Server):
     """A uvicorn server that drains in-flight requests on SIGTERM/SIGINT before it exits."""
 
     def __init__(
-        self, config: uvicorn.Config, state: ServerState, engine: AsyncLLMEngine, shutdown_timeout: float
+        self, config: uvicorn.Config, state: ServerState, engine: AsyncEngineClient, shutdown_timeout: float
     ) -> None:
         super().__init__(config)
         self.state = state
@@ -401,7 +402,7 @@ class GracefulServer(uvicorn.Server):
 
 def serve_engine(
     args: argparse.Namespace,
-    engine: AsyncLLMEngine,
+    engine: AsyncEngineClient,
     served_name: str,
     max_logprobs: int,
     metrics: EngineMetrics,
@@ -434,7 +435,7 @@ def serve_engine(
     logger.info(
         "Serving %s (max_model_len %d) on http://%s:%d",
         served_name,
-        int(engine.engine.max_model_len),
+        engine.info.max_model_len,
         args.host,
         args.port,
     )

@@ -143,7 +143,7 @@ def run_frontend(
     """Front-end ``index``: wait for every core, then serve HTTP until SIGTERM or the cores' death.
     ``owns_cores``: tell the cores to stop when it stops (one front-end; with several, the launcher
     stops them once every front-end has)."""
-    from pagedllm.engine.async_mp_engine import AsyncMPEngine, RemoteEngine
+    from pagedllm.engine.async_mp_engine import AsyncMPEngine
     from pagedllm.engine.core_client import CoreClient
     from pagedllm.model.loader import load_model_tokenizer
     from pagedllm.model.tokenizer import with_chat_template
@@ -169,12 +169,12 @@ def run_frontend(
         logger.error("Could not start the engine: %s", exc)
         client.close()
         return 1
-    remote = RemoteEngine(info, tokenizer, config)
     served_name = config.served_model_name or info.model_name
     metrics = EngineMetrics(served_name)
     engine = AsyncMPEngine(
         client,
-        remote,
+        info,
+        tokenizer,
         metrics=metrics,
         records_engine_stats=index == 0,
         max_queued_requests=args.max_queued_requests,

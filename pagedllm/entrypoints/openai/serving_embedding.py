@@ -26,8 +26,9 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_client import AsyncEngineClient
 from pagedllm.engine.async_mp_engine import AsyncMPEngine
+from pagedllm.engine.errors import RequestError
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.protocol_embedding import (
@@ -58,15 +59,13 @@ class EncodeWindow:
     max_tokens: int
 
     @classmethod
-    def for_engine(cls, engine: AsyncLLMEngine) -> EncodeWindow:
+    def for_engine(cls, engine: AsyncEngineClient) -> EncodeWindow:
         """``WINDOW_STEPS`` steps of the engine's budgets (``max_num_seqs`` prompts,
         ``max_num_batched_tokens`` tokens), for each engine core that serves it."""
-        sync = engine.engine
+        info = engine.info
         cores = len(engine.client.ranks) if isinstance(engine, AsyncMPEngine) else 1
-        seqs = int(getattr(getattr(sync, "config", None), "max_num_seqs", 0)) or 256
-        scheduler = getattr(sync, "scheduler", None)  # an engine in this process; else the cores' report
-        tokens = scheduler.config.max_num_batched_tokens if scheduler is not None else 0
-        tokens = tokens or int(getattr(sync, "max_num_batched_tokens", 0)) or int(sync.max_model_len)
+        seqs = info.max_num_seqs or 256  # 0: an engine that states no limit
+        tokens = info.max_num_batched_tokens or info.max_model_len
         return cls(WINDOW_STEPS * cores * seqs, WINDOW_STEPS * cores * tokens)
 
     def admits(self, num_inputs: int, num_tokens: int, prompt_len: int) -> bool:
@@ -77,9 +76,9 @@ class EncodeWindow:
         return num_inputs < self.max_inputs and num_tokens + prompt_len <= self.max_tokens
 
 
-def engine_task(engine: AsyncLLMEngine) -> str:
+def engine_task(engine: AsyncEngineClient) -> str:
     """The task the served engine runs (``generate`` for engines that do not say)."""
-    return str(getattr(engine.engine, "task", "generate"))
+    return engine.info.task
 
 
 def wrong_task_error(task: str, endpoint: str) -> OpenAIError:
@@ -167,11 +166,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         """The request's pooling parameters; a ``dimensions`` the model cannot give is a 400 naming it."""
         try:
             params = PoolingParams(dimensions=request.dimensions)
-            config = getattr(self.engine.engine, "pooling_config", None)
+            config = self.engine.info.pooling_config
             if config is not None:
                 config.check(params)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="dimensions") from None
+        except ValueError as exc:  # the model's own check of dimensions names no field
+            raise error_from_exception(RequestError("dimensions", str(exc))) from None
         return params
 
     async def _prompts(self, request: EmbeddingRequest) -> list[list[int]]:

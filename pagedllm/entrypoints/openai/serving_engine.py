@@ -8,12 +8,8 @@ import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from pagedllm.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestAbortedError,
-)
+from pagedllm.engine.async_client import AsyncEngineClient
+from pagedllm.engine.errors import EngineDeadError, RequestAbortedError, RequestError, as_request_error
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.field_checks import FieldRule, check_fields
 from pagedllm.entrypoints.openai.limits import RequestLimits
@@ -27,6 +23,7 @@ from pagedllm.entrypoints.openai.protocol import (
     PromptLogprobs,
     SamplingRequest,
 )
+from pagedllm.errors import context_length_error as engine_context_length_error
 from pagedllm.outputs import BeamSearchOutput, Logprob
 from pagedllm.outputs import PromptLogprobs as EnginePromptLogprobs
 from pagedllm.sampling_params import (
@@ -37,21 +34,6 @@ from pagedllm.sampling_params import (
 )
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
-
-_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {
-    "prompt",
-    "messages",
-    "suffix",
-    "echo",
-    "top_logprobs",
-    "max_completion_tokens",
-    "stream_options",
-    "response_format",
-    "request_id",
-    "use_beam_search",
-    "length_penalty",
-    "priority",
-}
 
 
 def context_length_error(
@@ -68,38 +50,37 @@ def context_length_error(
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
             "Please reduce the length of the messages or completion."
         )
-    return OpenAIError(message, param=param, code="context_length_exceeded")
+    return error_from_exception(engine_context_length_error(param, message))
 
 
 def error_from_exception(exc: BaseException, param_aliases: dict[str, str] | None = None) -> OpenAIError:
-    """Translate an exception from request validation or the engine into an :class:`OpenAIError`."""
+    """The OpenAI error object for an exception from request validation or the engine: the one place
+    where a :class:`RequestError` (its field, through ``param_aliases`` to the request's own name,
+    code, HTTP status and type) and the engine's errors become what a client sees."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, QueueFullError):
-        return OpenAIError(str(exc), status_code=503, type="server_error", code="queue_full")
+    if isinstance(exc, RequestError):
+        param = (param_aliases or {}).get(exc.param, exc.param) if exc.param is not None else None
+        return OpenAIError(
+            exc.message, status_code=exc.status_code, type=exc.type, param=param, code=exc.code
+        )
     if isinstance(exc, RequestAbortedError):
         return OpenAIError(str(exc), status_code=503, type="server_error", code="request_aborted")
     if isinstance(exc, EngineDeadError):
         return OpenAIError(str(exc), status_code=500, type="server_error", code="engine_dead")
     if isinstance(exc, ValueError):
-        message = str(exc)
-        if message.startswith("This model's maximum context length"):
-            param = (param_aliases or {}).get("prompt", "prompt")
-            return OpenAIError(message, param=param, code="context_length_exceeded")
-        return OpenAIError(message, param=param_from_message(message, param_aliases))
+        return OpenAIError(str(exc))  # an invalid request that names no field
     logger.error("Internal error while serving a request", exc_info=exc)
     return OpenAIError(
         f"Internal server error: {type(exc).__name__}: {exc}", status_code=500, type="server_error", code=None
     )
 
 
-def param_from_message(message: str, aliases: dict[str, str] | None = None) -> str | None:
-    """The request field a validation message names first (``"top_p must be ..."`` -> ``top_p``)."""
-    head = message.split(None, 1)[0].rstrip(":.,") if message.strip() else ""
-    head = head.split(".", 1)[0]
-    if head not in _SAMPLING_FIELDS:
-        return None
-    return (aliases or {}).get(head, head)
+def _beam_width_as_n(exc: RequestError) -> RequestError:
+    """A beam-search refusal naming ``beam_width``, as the request calls it: ``n``."""
+    if exc.param != "beam_width":
+        return exc
+    return RequestError("n", exc.message.replace("beam_width", "n", 1), exc.code)
 
 
 def _finite(x: float) -> float:
@@ -118,7 +99,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: AsyncEngineClient,
         served_model_names: list[str],
         *,
         max_logprobs: int = 20,
@@ -128,10 +109,10 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_logprobs = max_logprobs
-        self.tokenizer = tokenizer if tokenizer is not None else engine.engine.tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         if preprocessor is None:
             limits = RequestLimits().resolve(
-                max_model_len=self.max_model_len, vocab_size=int(engine.engine.vocab_size), max_num_seqs=None
+                max_model_len=self.max_model_len, vocab_size=engine.info.vocab_size, max_num_seqs=None
             )
             preprocessor = Preprocessor(self.tokenizer, limits, trust_request_chat_template=False)
         self.preprocessor = preprocessor
@@ -143,7 +124,7 @@ class OpenAIServing:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.engine.max_model_len)
+        return self.engine.info.max_model_len
 
     # ------------------------------------------------------------------ checks
 
@@ -172,8 +153,8 @@ class OpenAIServing:
         the request's priority: any but 0 on an ``fcfs`` server."""
         try:
             self.engine.check_priority(request.priority)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="priority") from None
+        except RequestError as exc:
+            raise error_from_exception(exc) from None
 
     def check_limits(self, request: SamplingRequest) -> None:
         """``n`` and the sizes of the request's lists, before anything is tokenized."""
@@ -209,7 +190,7 @@ class OpenAIServing:
     ) -> list[list[int]]:
         """The token ids of each item, in order: id lists checked against the vocabulary, texts
         tokenized on the tokenizer thread."""
-        vocab_size = int(self.engine.engine.vocab_size)
+        vocab_size = self.engine.info.vocab_size
         for item in items:
             if isinstance(item, str):
                 continue
@@ -281,22 +262,20 @@ class OpenAIServing:
                 ignore_eos=request.ignore_eos,
                 length_penalty=request.length_penalty,
             )
-        except ValueError as exc:
-            message = str(exc).replace("beam_width", "n", 1)
-            raise OpenAIError(message, param="n") from None
-        engine = self.engine.engine
+        except RequestError as exc:  # beam_width is the request's n
+            raise error_from_exception(_beam_width_as_n(exc)) from None
         try:
             outputs = await self.engine.beam_search(
                 prompts,
                 params,
-                eos_token_ids=list(getattr(engine, "eos_token_ids", [])),
+                eos_token_ids=list(self.engine.info.eos_token_ids),
                 max_logprobs=self.max_logprobs,
                 request_id=request_id,
                 priority=request.priority,
             )
         except Exception as exc:
-            if isinstance(exc, ValueError) and str(exc).startswith("beam_width"):
-                raise OpenAIError(str(exc).replace("beam_width", "n", 1), param="n") from None
+            if isinstance(exc, RequestError) and exc.param == "beam_width":
+                exc = _beam_width_as_n(exc)
             raise error_from_exception(exc, aliases) from None
         for output in outputs:
             for seq in output.sequences:
@@ -357,8 +336,7 @@ class OpenAIServing:
                 output_kind=RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY,
             )
         except (ValueError, TypeError) as exc:
-            message = str(exc)
-            raise OpenAIError(message, param=param_from_message(message, aliases)) from None
+            raise error_from_exception(as_request_error(exc), aliases) from None
 
     # The sampling fields a request may leave out (None) to get the model's default, with the built-in
     # value used when the model has none.
@@ -372,8 +350,8 @@ class OpenAIServing:
 
     def default_sampling(self, request: SamplingRequest) -> dict[str, float | int]:
         """temperature, top_p, top_k, min_p and repetition_penalty for ``request``: its own value, else
-        the model's generation-config default (``engine.default_sampling``), else the built-in one."""
-        model_defaults: dict[str, float | int] = getattr(self.engine.engine, "default_sampling", None) or {}
+        the model's generation-config default (``engine.info.default_sampling``), else the built-in one."""
+        model_defaults = self.engine.info.default_sampling
         values: dict[str, float | int] = {}
         for name, builtin in self._BUILTIN_SAMPLING.items():
             given = getattr(request, name)

@@ -38,5 +38,5 @@ class OpenAIServingTokenization(OpenAIServing):
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
         self.check_fields(request)
-        text = await self.preprocessor.decode(request.tokens, int(self.engine.engine.vocab_size))
+        text = await self.preprocessor.decode(request.tokens, self.engine.info.vocab_size)
         return DetokenizeResponse(prompt=text)
