@@ -14,7 +14,7 @@ Each system runs ``--repeats`` times (default 3) after an untimed warm-up reques
 median of each figure (and how many leading greedy tokens the two systems' outputs share, a check that
 they run the same model, and the CPU cores the process used over the timed runs: well below the thread
 count means other processes took the cores, and the figures are not to be trusted on a shared machine). The engine's prefix cache is emptied before every run, so no run reuses the
-previous one's prompt. With ``--baseline llama.cpp`` llama.cpp runs the same prompt on the engine's
+previous one's prompt. With ``--baseline llama.cpp-python`` llama.cpp (through its Python binding) runs the same prompt on the engine's
 GGUF file (the default model unless ``--model`` names another) in the same process, after the engine,
 with the same thread count (``--threads``, else torch's default), and the ratios engine / llama.cpp
 are reported.
@@ -145,8 +145,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--baseline",
         default=None,
-        choices=[llamacpp.NAME],
-        help="Also measure llama.cpp on the same GGUF file, prompt and threads (needs the llamacpp extra).",
+        choices=[llamacpp.NAME, llamacpp.NATIVE_NAME],
+        help="llama.cpp-python: also measure llama.cpp through its Python binding on the same GGUF file, prompt "
+        "and threads (needs the llamacpp extra); llama.cpp (the native tools) is refused here: see bench scale.",
     )
     add_run_args(parser, llama_cpp_threads=True)
 
@@ -162,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
         config = EngineConfig.from_cli_args(args)
+        if args.baseline == llamacpp.NATIVE_NAME:
+            raise ValueError(llamacpp.native_refusal("latency"))
         gguf = llamacpp.check_baseline(config.model) if args.baseline else None
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
