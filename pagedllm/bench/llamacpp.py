@@ -64,12 +64,12 @@ def import_llama_cpp() -> Any:
         raise RuntimeError(f"the llama.cpp baseline needs llama-cpp-python; {INSTALL_HINT}") from exc
 
 
-def gguf_path(model: str | None) -> str:
+def gguf_path(model: str | None, baseline: str = NAME) -> str:
     """The GGUF file of a pagedllm model argument; ValueError when the model is not a GGUF file."""
     kind, path = resolve_model_path(model)
     if kind != "gguf":
         raise ValueError(
-            f"--baseline {NAME} needs a GGUF model file, and {path} is a Hugging Face checkpoint "
+            f"--baseline {baseline} needs a GGUF model file, and {path} is a Hugging Face checkpoint "
             "directory; pass --model FILE.gguf."
         )
     return path

@@ -178,6 +178,7 @@ def model_path(shape_name: str, quant: str, seed: int) -> Path:
 
 
 def _publish(tmp: Path, final: Path) -> None:
+    os.chmod(tmp, 0o644)  # mkstemp's files are private; a model file is readable like any other
     os.replace(tmp, final)
 
 

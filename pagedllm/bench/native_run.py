@@ -8,7 +8,8 @@
 * :func:`best_of_variants`: llama.cpp at its best over the runtime variants that change its speed
   (:data:`VARIANTS`): OpenMP's default waiting or ``OMP_WAIT_POLICY=passive``, and weight repacking on
   (llama.cpp's default) or off (``--repack 0``: the fallback where the repacked path fails). Every
-  variant's figure is kept, and the best names the variant it came from.
+  variant's figure is kept, and the best names the variant it came from; :func:`best_with_fallback`
+  tries repacking off only where every repacked run fails.
 
 Every run has a timeout; a tool that fails or times out is a :class:`ToolError` carrying its output's
 tail.
@@ -206,3 +207,21 @@ def best_of_variants(
             "every variant failed: " + "; ".join(f"{k}: {v['error'][-200:]}" for k, v in results.items())
         )
     return {**best, "variants": results}
+
+
+def best_with_fallback(
+    measure: Callable[[Variant], dict[str, Any]], key: str, always_all: bool = False
+) -> dict[str, Any]:
+    """llama.cpp at its best: :func:`best_of_variants` over the repacked variants, and over those
+    without repacking only when every repacked one fails (``always_all``: over all four at once).
+    The fallback's result keeps the repacked runs' error under ``"repacked_error"``."""
+    repacked = [v for v in VARIANTS if v.repack]
+    plain = [v for v in VARIANTS if not v.repack]
+    if always_all:
+        return best_of_variants(measure, key, repacked + plain)
+    try:
+        return best_of_variants(measure, key, repacked)
+    except ToolError as exc:
+        res = best_of_variants(measure, key, plain)
+        res["repacked_error"] = str(exc)[-600:]
+        return res

@@ -38,14 +38,7 @@ from typing import Any
 
 from pagedllm.bench.common import format_table, machine_info, now_iso, ratio, write_json
 from pagedllm.bench.native import NativeTools, ensure_tools
-from pagedllm.bench.native_run import (
-    VARIANTS,
-    ToolError,
-    Variant,
-    batched_bench,
-    best_of_variants,
-    llama_bench,
-)
+from pagedllm.bench.native_run import VARIANTS, ToolError, batched_bench, best_with_fallback, llama_bench
 from pagedllm.bench.scale_engine import busy_neighbour
 from pagedllm.bench.servers import free_port, llama_server_command, process_memory, start_server, stop_server
 
@@ -122,24 +115,8 @@ def run_engine_side(args: argparse.Namespace, phases: list[str]) -> dict[str, An
             return dict(json.load(f))
 
 
-def _llama_variants(args: argparse.Namespace) -> tuple[list[Variant], list[Variant]]:
-    """The variants tried first, and those tried only when every one of the first fails."""
-    repacked = [v for v in VARIANTS if v.repack]
-    plain = [v for v in VARIANTS if not v.repack]
-    return (repacked + plain, []) if args.llama_variants == "all" else (repacked, plain)
-
-
 def _best(measure: Any, key: str, args: argparse.Namespace) -> dict[str, Any]:
-    first, fallback = _llama_variants(args)
-    try:
-        return best_of_variants(measure, key, first)
-    except ToolError as exc:
-        if not fallback:
-            raise
-        logger.warning("Every repacked llama.cpp variant failed (%s); trying --repack 0.", str(exc)[-300:])
-        res = best_of_variants(measure, key, fallback)
-        res["repacked_error"] = str(exc)[-600:]
-        return res
+    return best_with_fallback(measure, key, always_all=args.llama_variants == "all")
 
 
 def run_llama_side(args: argparse.Namespace, tools: NativeTools, batch: bool) -> dict[str, Any]:

@@ -58,17 +58,20 @@ def test_split_baselines() -> None:
         llamacpp.split_baselines("hf-cb,llama.cpp")
 
 
-@pytest.mark.parametrize("command", ["latency", "perplexity"])
+@pytest.mark.parametrize(
+    ("command", "baseline"),
+    [("latency", "llama.cpp-python"), ("perplexity", "llama.cpp-python"), ("latency", "llama.cpp")],
+)
 def test_cli_refuses_llama_cpp_on_a_hf_checkpoint(
-    command: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    command: str, baseline: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "config.json").write_text("{}")
     with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
-        assert main(["bench", command, "--baseline", "llama.cpp-python", "--model", str(tmp_path)]) == 2
-    assert "needs a GGUF model file" in caplog.text
+        assert main(["bench", command, "--baseline", baseline, "--model", str(tmp_path)]) == 2
+    assert f"--baseline {baseline} needs a GGUF model file" in caplog.text
 
 
-@pytest.mark.parametrize("command", ["latency", "perplexity", "throughput"])
+@pytest.mark.parametrize("command", ["perplexity", "throughput"])
 def test_cli_refuses_the_native_name(command: str, caplog: pytest.LogCaptureFixture) -> None:
     """``--baseline llama.cpp`` means the native tools: refused before any model loads, naming the
     binding's name and the command that compares with the native tools."""
@@ -99,7 +102,7 @@ def _next_token(history: Sequence[int]) -> int:
 
 
 def _reference(req: BenchRequest, stop: set[int]) -> list[int]:
-    history, out = list(req.prompt_token_ids), []
+    history, out = list(req.prompt_token_ids), list[int]()
     while len(out) < req.output_len:
         token = _next_token(history)
         out.append(token)

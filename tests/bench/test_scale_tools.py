@@ -195,3 +195,10 @@ def _children() -> list[int]:
         ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
     )
     return [int(p) for p in out.stdout.split()]
+
+
+def test_native_tools_build_the_pinned_binding_version() -> None:
+    """The native tools and the ``llamacpp`` extra's binding run the same llama.cpp."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    assert f'"llama-cpp-python=={native.LLAMA_CPP_PYTHON_VERSION}"' in pyproject.read_text()
+    assert native.tools_root().parts[-2:] == ("llama.cpp", native.LLAMA_CPP_PYTHON_VERSION)
