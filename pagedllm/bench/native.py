@@ -194,6 +194,7 @@ def ensure_tools(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = Non
                 if not built.is_file():
                     raise RuntimeError(f"the llama.cpp build made no {built}; see {log}.")
                 shutil.copy2(built, staging / tool)
+            os.chmod(staging, 0o755)  # mkdtemp's folders are private; the tools are for every user
             shutil.rmtree(root / "bin", ignore_errors=True)
             staging.rename(root / "bin")
         finally:
