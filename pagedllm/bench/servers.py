@@ -154,7 +154,6 @@ def pagedllm_server_command(model: str, port: int, max_num_seqs: int, alias: str
         "-m",
         "pagedllm",
         "serve",
-        "--model",
         model,
         "--host",
         "127.0.0.1",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import gguf
@@ -190,11 +189,19 @@ def test_serve_against_llama_server_stops_both(tiny_gguf: str, tmp_path: Path) -
 
 
 def _children() -> list[int]:
-    pid = os.getpid()
-    out = subprocess.run(
-        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
-    )
-    return [int(p) for p in out.stdout.split()]
+    """Live processes whose parent is this one (from /proc, so no helper process is counted)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(int(entry))
+    return found
 
 
 def test_native_tools_build_the_pinned_binding_version() -> None:
