@@ -165,23 +165,33 @@ def run_llama_side(args: argparse.Namespace, tools: NativeTools, batch: bool) ->
 
 
 def _llama_load(args: argparse.Namespace, tools: NativeTools) -> dict[str, Any]:
-    """``llama-server``'s time from start to ``/health`` answering 200, and its resident memory then."""
-    port = free_port()
-    cmd = llama_server_command(
-        tools, args.model, port, args.threads, parallel=1, ctx_per_slot=1024, variant=VARIANTS[0]
-    )
-    server = start_server("llama-server", cmd, f"http://127.0.0.1:{port}", "/health", args.timeout)
-    try:
-        mem = process_memory(server.proc.pid)
-    finally:
-        stop_server(server)
-    return {
-        "load_s": server.ready_s,
-        "rss_added_mib": mem["VmRSS"],
-        "rss_anon_added_mib": mem.get("RssAnon"),
-        "rss_file_added_mib": mem.get("RssFile"),
-        "command": " ".join(cmd),
-    }
+    """``llama-server``'s time from start to ``/health`` answering 200, and its resident memory then;
+    with weight repacking on, else (where the repacked server fails, e.g. in its warm-up decode) off."""
+    errors = []
+    for variant in (VARIANTS[0], next(v for v in VARIANTS if not v.repack)):
+        port = free_port()
+        cmd = llama_server_command(
+            tools, args.model, port, args.threads, parallel=1, ctx_per_slot=1024, variant=variant
+        )
+        try:
+            server = start_server("llama-server", cmd, f"http://127.0.0.1:{port}", "/health", args.timeout)
+        except RuntimeError as exc:
+            errors.append(f"{variant.label}: {str(exc)[-300:]}")
+            continue
+        try:
+            mem = process_memory(server.proc.pid)
+        finally:
+            stop_server(server)
+        return {
+            "load_s": server.ready_s,
+            "rss_added_mib": mem["VmRSS"],
+            "rss_anon_added_mib": mem.get("RssAnon"),
+            "rss_file_added_mib": mem.get("RssFile"),
+            "variant": variant.label,
+            "errors": errors,
+            "command": " ".join(cmd),
+        }
+    raise RuntimeError("llama-server did not start: " + "; ".join(errors))
 
 
 def _get(d: dict[str, Any], *keys: str) -> float | None:

@@ -118,6 +118,7 @@ def _one_server(args: argparse.Namespace, name: str, workload: Workload, threads
         cmd = pagedllm_server_command(args.model, port, args.parallel, SERVED_NAME)
         env = thread_env(threads)
         variant_label = None
+        omp_wait: str | None = None
     else:
         longest = max(r.prompt_len + r.output_len for r in workload.requests)
         variant = Variant(
@@ -135,8 +136,20 @@ def _one_server(args: argparse.Namespace, name: str, workload: Workload, threads
         )
         env = thread_env(threads, variant.env())
         variant_label = variant.label
+        omp_wait = variant.omp_wait_policy
     print(f"{name}: starting ({' '.join(cmd)})", flush=True)
-    server = start_server(name, cmd, base_url, "/health", args.server_start_timeout, env)
+    try:
+        server = start_server(name, cmd, base_url, "/health", args.server_start_timeout, env)
+    except RuntimeError as exc:
+        if name == "pagedllm" or "--no-repack" in cmd:
+            raise
+        # The repacked weights fail in some builds (e.g. the warm-up decode crashes): without them.
+        logger.warning(
+            "llama-server failed with repacked weights (%s); starting it with --no-repack.", str(exc)[-200:]
+        )
+        cmd.append("--no-repack")
+        variant_label = Variant(False, omp_wait).label
+        server = start_server(name, cmd, base_url, "/health", args.server_start_timeout, env)
     try:
         results, duration, _ = asyncio.run(
             run_benchmark(
