@@ -5,6 +5,7 @@ engine once and measures, in this order (every phase after an untimed warm-up re
 
 * ``load``: seconds to build the engine (model read, weights prepared, KV cache allocated) and the
   resident memory it added (``VmRSS`` after minus before, with its anonymous and file-backed parts);
+  the KV pool holds just the batch phase's sequences at full length;
 * ``decode``: batch-1 decode tokens/s, ``--decode-tokens`` tokens generated one per step after a
   one-token prompt (llama-bench's ``tg`` test: generation from an empty context), median of
   ``--repeats``;
@@ -100,15 +101,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     phases = set(args.phases.split(","))
     longest = max(args.decode_tokens + 2, args.prompt_tokens + 2, args.batch_prompt + args.batch_output)
+    # A KV pool just large enough for the phases (the batch's sequences at full length, one block of
+    # slack each), so the memory added by loading is the weights' and not a default-sized pool's.
+    block = 16
+    seqs = max(args.batch_sequences, 1)
+    per_seq = -(-longest // block) + 1
     config = EngineConfig(
-        model=args.model, max_model_len=longest, max_num_seqs=max(args.batch_sequences, 1), seed=0
+        model=args.model,
+        max_model_len=longest,
+        max_num_seqs=seqs,
+        block_size=block,
+        num_kv_blocks=seqs * per_seq,
+        seed=0,
     )
     before = memory_status()
     start = time.perf_counter()
     engine = LLMEngine.from_config(config)
     load_s = time.perf_counter() - start
     after = memory_status()
-    result: dict[str, Any] = {"threads": torch.get_num_threads(), "config": {"max_model_len": longest}}
+    result: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "config": {"max_model_len": longest, "num_kv_blocks": config.num_kv_blocks, "block_size": block},
+    }
     result["load"] = {
         "load_s": load_s,
         "rss_added_mib": after["VmRSS"] - before["VmRSS"],
