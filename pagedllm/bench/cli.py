@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,latency,perplexity,serve,step,step-time,roofline,embed}``: the benchmark subcommands.
+"""``pagedllm bench {throughput,latency,perplexity,serve,...}``: the benchmark subcommands.
 
 Each lives in its own module with ``add_cli_args(parser)`` and ``run(args) -> int``.
 """
@@ -65,6 +65,21 @@ BENCHMARKS = {
         "pagedllm.bench.parallel",
         "Throughput of tensor/pipeline-parallel ranks against one rank on the same cores, and each rank's "
         "share of the weights.",
+    ),
+    "scale": (
+        "pagedllm.bench.scale",
+        "Batch-1 decode, 512-token prompt, 32 sequences, load and memory of a GGUF file against native "
+        "llama.cpp (llama-bench, llama-batched-bench), in one table.",
+    ),
+    "make-model": (
+        "pagedllm.bench.make_model",
+        "Write a GGUF file of a real model's shape (llama-1b, llama-8b, ...) with random weights, "
+        "quantized by llama.cpp's llama-quantize.",
+    ),
+    "build-llama-cpp": (
+        "pagedllm.bench.native",
+        "Build the native llama.cpp tools (llama-bench, llama-batched-bench, llama-quantize, llama-server) "
+        "once into the cache.",
     ),
 }
 

@@ -14,7 +14,9 @@ Each system runs ``--repeats`` times (default 3) after an untimed warm-up reques
 median of each figure (and how many leading greedy tokens the two systems' outputs share, a check that
 they run the same model, and the CPU cores the process used over the timed runs: well below the thread
 count means other processes took the cores, and the figures are not to be trusted on a shared machine). The engine's prefix cache is emptied before every run, so no run reuses the
-previous one's prompt. With ``--baseline llama.cpp`` llama.cpp runs the same prompt on the engine's
+previous one's prompt. With ``--baseline llama.cpp`` the native ``llama-bench`` measures ``-p input_len`` and
+``-n output_len`` on the same file and threads (:func:`native_latency`). With ``--baseline
+llama.cpp-python`` llama.cpp (through its Python binding) runs the same prompt on the engine's
 GGUF file (the default model unless ``--model`` names another) in the same process, after the engine,
 with the same thread count (``--threads``, else torch's default), and the ratios engine / llama.cpp
 are reported.
@@ -145,8 +147,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--baseline",
         default=None,
-        choices=[llamacpp.NAME],
-        help="Also measure llama.cpp on the same GGUF file, prompt and threads (needs the llamacpp extra).",
+        choices=[llamacpp.NAME, llamacpp.NATIVE_NAME],
+        help="Also measure llama.cpp on the same GGUF file and threads: llama.cpp runs the native llama-bench "
+        "(-p INPUT_LEN, -n OUTPUT_LEN; built once into the cache), llama.cpp-python the same prompt in this "
+        "process through the Python binding (needs the llamacpp extra).",
     )
     add_run_args(parser, llama_cpp_threads=True)
 
@@ -162,7 +166,11 @@ def _run(args: argparse.Namespace) -> int:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
         config = EngineConfig.from_cli_args(args)
-        gguf = llamacpp.check_baseline(config.model) if args.baseline else None
+        native = args.baseline == llamacpp.NATIVE_NAME
+        if native:
+            gguf: str | None = llamacpp.gguf_path(config.model, llamacpp.NATIVE_NAME)
+        else:
+            gguf = llamacpp.check_baseline(config.model) if args.baseline else None
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
@@ -200,7 +208,13 @@ def _run(args: argparse.Namespace) -> int:
     gc.collect()
 
     system_info = None
-    if gguf is not None:
+    if gguf is not None and native:
+        try:
+            systems[llamacpp.NATIVE_NAME] = native_latency(gguf, threads, args)
+        except RuntimeError as exc:
+            logger.error("Baseline %s failed: %s", llamacpp.NATIVE_NAME, exc)
+            systems[llamacpp.NATIVE_NAME] = {"error": str(exc)}
+    elif gguf is not None:
         try:
             with llamacpp.LlamaCppModel(gguf, threads) as model:
                 system_info = model.system_info()
@@ -246,15 +260,46 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def native_latency(path: str, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``--baseline llama.cpp``: the native ``llama-bench`` (built once) on the same file and threads,
+    ``-p input_len`` and ``-n output_len`` (its generation starts from an empty context, not after the
+    prompt), each at its best over llama.cpp's runtime variants; the mean of ``--repeats`` runs."""
+    from pagedllm.bench.native import ensure_tools
+    from pagedllm.bench.native_run import best_with_fallback, llama_bench
+
+    tools = ensure_tools()
+
+    def best(**test: int) -> dict[str, Any]:
+        return best_with_fallback(
+            lambda v: llama_bench(tools, path, threads, repetitions=args.repeats, variant=v, **test),
+            "tokens_per_s",
+        )
+
+    pp = best(n_prompt=args.input_len)
+    tg = best(n_gen=args.output_len)
+    return {
+        "prompt_tokens_per_s": pp["tokens_per_s"],
+        "ttft_s": args.input_len / pp["tokens_per_s"],
+        "decode_tokens_per_s": tg["tokens_per_s"],
+        "decode_s_per_token": 1 / tg["tokens_per_s"],
+        "cpu_cores_used": None,
+        "output_tokens": [],
+        "llama_bench": {"prompt": pp, "decode": tg},
+    }
+
+
 def _ratios(systems: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    base = systems.get(llamacpp.NAME)
+    base = systems.get(llamacpp.NAME) or systems.get(llamacpp.NATIVE_NAME)
     if base is None or "error" in base:
         return None
     ours = systems["pagedllm"]
     return {
         "prompt_tokens_per_s": ratio(ours["prompt_tokens_per_s"], base["prompt_tokens_per_s"]),
         "decode_tokens_per_s": ratio(ours["decode_tokens_per_s"], base["decode_tokens_per_s"]),
-        "greedy_tokens_agreeing": common_prefix(ours["output_tokens"], base["output_tokens"]),
+        # The native tool generates random tokens: no outputs to compare.
+        "greedy_tokens_agreeing": (
+            common_prefix(ours["output_tokens"], base["output_tokens"]) if base["output_tokens"] else None
+        ),
     }
 
 
@@ -302,9 +347,11 @@ def _print_report(
             + ", decoding "
             + _x(ratios["decode_tokens_per_s"])
         )
-        print(
-            f"Greedy outputs agree on their first {ratios['greedy_tokens_agreeing']} of {args.output_len} tokens."
-        )
+        if ratios["greedy_tokens_agreeing"] is not None:
+            print(
+                f"Greedy outputs agree on their first {ratios['greedy_tokens_agreeing']} of "
+                f"{args.output_len} tokens."
+            )
 
 
 def _x(value: float | None) -> str:

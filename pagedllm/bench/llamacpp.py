@@ -1,4 +1,9 @@
-"""llama.cpp baselines on a GGUF file, through llama-cpp-python's low-level API.
+"""llama.cpp baselines on a GGUF file, through llama-cpp-python's low-level API (``--baseline
+llama.cpp-python``).
+
+``--baseline llama.cpp`` names llama.cpp's own native tools (:mod:`pagedllm.bench.native`), which run
+their own workloads: ``pagedllm bench scale`` and ``pagedllm bench serve --baseline llama-server``
+compare with them; the commands here refuse that name and say so.
 
 llama-cpp-python is a benchmark-only extra (``pip install 'pagedllm[llamacpp]'``): it is imported on
 first use, never by the engine or the tests. Everything runs on the CPU (no layer offloaded) with
@@ -38,7 +43,9 @@ from pagedllm.model.loader import resolve_model_path
 
 logger = logging.getLogger("pagedllm.bench")
 
-NAME = "llama.cpp"
+NAME = "llama.cpp-python"
+# The native tools' name, refused by the commands that run llama.cpp through the binding.
+NATIVE_NAME = "llama.cpp"
 INSTALL_HINT = "install the llamacpp extra: pip install 'pagedllm[llamacpp]'"
 # llama.cpp's LLAMA_MAX_SEQ: the most sequence ids a context may have.
 MAX_SEQUENCES = 256
@@ -57,22 +64,34 @@ def import_llama_cpp() -> Any:
         raise RuntimeError(f"the llama.cpp baseline needs llama-cpp-python; {INSTALL_HINT}") from exc
 
 
-def gguf_path(model: str | None) -> str:
+def gguf_path(model: str | None, baseline: str = NAME) -> str:
     """The GGUF file of a pagedllm model argument; ValueError when the model is not a GGUF file."""
     kind, path = resolve_model_path(model)
     if kind != "gguf":
         raise ValueError(
-            f"--baseline llama.cpp needs a GGUF model file, and {path} is a Hugging Face checkpoint "
+            f"--baseline {baseline} needs a GGUF model file, and {path} is a Hugging Face checkpoint "
             "directory; pass --model FILE.gguf."
         )
     return path
 
 
+def native_refusal(command: str) -> str:
+    """Why ``pagedllm bench <command> --baseline llama.cpp`` is refused, and what to run instead."""
+    return (
+        f"--baseline {NATIVE_NAME} means llama.cpp's native tools, which run their own workloads: compare "
+        "with them through 'pagedllm bench scale --model FILE.gguf' (or 'pagedllm bench serve --baseline "
+        f"llama-server'); 'pagedllm bench {command}' runs llama.cpp on its own workload through the Python "
+        f"binding: --baseline {NAME}."
+    )
+
+
 def split_baselines(text: str | None) -> tuple[str | None, bool]:
-    """Take ``llama.cpp`` out of ``pagedllm bench throughput``'s ``--baseline`` list: (the other names,
+    """Take ``llama.cpp-python`` out of ``pagedllm bench throughput``'s ``--baseline`` list: (the other names,
     comma-separated, for :func:`pagedllm.bench.baselines.parse_baselines`; whether it was named).
     ValueError names an unknown entry."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    if NATIVE_NAME in names:
+        raise ValueError(native_refusal("throughput"))
     choices = (*BASELINES, NAME)
     unknown = [n for n in names if n not in choices]
     if unknown:
@@ -82,7 +101,7 @@ def split_baselines(text: str | None) -> tuple[str | None, bool]:
 
 
 def check_baseline(model: str | None, temperature: float = 0.0) -> str:
-    """Validate ``--baseline llama.cpp`` before any long run: the model's GGUF path, or ValueError
+    """Validate ``--baseline llama.cpp-python`` before any long run: the model's GGUF path, or ValueError
     (the model is not a GGUF file, sampling is not greedy, or llama-cpp-python is not installed)."""
     if temperature > 0:
         raise ValueError("the llama.cpp baseline decodes greedily; run it with --temperature 0.")

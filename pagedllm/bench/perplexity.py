@@ -225,8 +225,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--baseline",
         default=None,
-        choices=[llamacpp.NAME],
-        help="Also score the same windows with llama.cpp on the same GGUF file (needs the llamacpp extra).",
+        choices=[llamacpp.NAME, llamacpp.NATIVE_NAME],
+        help="llama.cpp-python: also score the same windows with llama.cpp through its Python binding on the "
+        "same GGUF file (needs the llamacpp extra).",
     )
     add_run_args(parser, llama_cpp_threads=True)
 
@@ -242,6 +243,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.max_windows is not None and args.max_windows < 1:
             raise ValueError(f"--max-windows must be at least 1, got {args.max_windows}.")
         config = EngineConfig.from_cli_args(args)
+        if args.baseline == llamacpp.NATIVE_NAME:
+            raise ValueError(llamacpp.native_refusal("perplexity"))
         gguf = llamacpp.check_baseline(config.model) if args.baseline else None
         text = path.read_text(encoding="utf-8")
     except (ValueError, OSError) as exc:

@@ -226,6 +226,20 @@ def measure_bandwidth(
     return {"size_mib": size_mib, "bytes_per_copy": float(moved), "time_s": t, "bytes_per_s": moved / t}
 
 
+def measure_read_bandwidth(
+    size_mib: int = 1024, repeats: int = 5, min_time_s: float = 0.2, warmup: int = 1
+) -> dict[str, float]:
+    """Read bandwidth: bytes read per second summing a ``size_mib`` MiB float32 tensor on the CPU (a
+    reduction writes nothing back), timed by :func:`best_time`. The tensor should be several times the
+    last-level cache, so the figure is main memory's; a decode step's weight reads run at this rate
+    at best."""
+    numel = size_mib * 2**20 // 4
+    src = torch.rand(numel)
+    t = best_time(lambda: src.sum(), repeats, min_time_s, None, warmup)
+    read = float(numel * 4)
+    return {"size_mib": size_mib, "bytes_per_read": read, "time_s": t, "bytes_per_s": read / t}
+
+
 def gemm_rate_for(roofline: dict[str, Any], tokens: int) -> float:
     """The GEMM rate for ``tokens`` rows: interpolated linearly in log2(rows) between the measured row
     counts, and the nearest measured rate outside their range."""
@@ -328,7 +342,10 @@ def measure_roofline(
     sizes = model_sizes(config, name, torch.empty((), dtype=torch_dtype).element_size())
     gemm = [measure_gemm(sizes, m, torch_dtype, repeats) for m in gemm_tokens]
     bw = measure_bandwidth(bandwidth_mib, torch_dtype, max(repeats, 3))
+    read = measure_read_bandwidth(max(1024, bandwidth_mib), max(repeats, 3))
     return {
+        "memory_read_bandwidth": read,
+        "memory_read_bandwidth_bytes_per_s": read["bytes_per_s"],
         "dtype": dtype,
         "model": sizes.as_dict(),
         "gemm": gemm,
@@ -420,6 +437,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     print(f"\nMemory bandwidth (copy, read + write): {result['memory_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
+    print(f"Memory read bandwidth (sum): {result['memory_read_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     print(
         f"Prefill floor: {prefill_s * 1e3:.3f} ms/token ({1 / prefill_s:,.0f} tokens/s) "
         f"in {prefill_chunk}-token chunks\n"

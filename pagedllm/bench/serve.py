@@ -27,6 +27,10 @@ engine arguments given here (they should match the server's; ``max_num_seqs`` is
 the offline one. ``--pairs N`` repeats the pair of runs N times, each pair on a workload of its own
 (seeds ``seed``, ``seed + 1``, ...; so neither side finds the previous pair's prompts cached), and
 reports the median share; the latency report is the first pair's.
+
+``--baseline llama-server`` starts ``pagedllm serve`` and llama.cpp's native ``llama-server`` on the
+``--model`` GGUF file in turn, instead of measuring a running server, and drives both with this
+workload (:mod:`pagedllm.bench.serve_versus`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import math
 import time
 from typing import Any
 
+from pagedllm.bench import serve_versus
 from pagedllm.bench.common import machine_info, now_iso, peak_rss_mib, set_num_threads, write_json
 from pagedllm.bench.serve_client import run_benchmark
 from pagedllm.bench.serve_dashboard import compare_with_dashboard, format_comparison
@@ -208,6 +213,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--num-threads", type=int, default=None, help="torch threads of the offline run (default: torch's)."
     )
+    serve_versus.add_cli_args(parser.add_argument_group("against llama.cpp's server"))
     engine_group = parser.add_argument_group("engine (the workload's tokenizer; the offline comparison)")
     EngineConfig.add_cli_args(engine_group)  # type: ignore[arg-type]
 
@@ -232,6 +238,7 @@ def _check_args(args: argparse.Namespace) -> PriorityMix | None:
         raise ValueError(f"--temperature must be non-negative, got {args.temperature}.")
     if args.pairs < 1:
         raise ValueError(f"--pairs must be at least 1, got {args.pairs}.")
+    serve_versus.check_args(args)
     return mix
 
 
@@ -305,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.poll_dashboard is not None:
         return _dashboard_cost(args, workload, config)
+    if args.baseline is not None:
+        return serve_versus.run(args, workload)
     offline_llm: Any = None
     if args.compare_offline:
         offline_config = config

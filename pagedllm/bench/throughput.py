@@ -5,8 +5,8 @@ region starts before the first ``add_request`` and ends when the last request fi
 KV cache allocation and a short warm-up request are outside it, for the engine and the baselines
 alike). With baselines the engine runs again after them (``--engine-after-baselines``, on by
 default) and the mean of its two times is compared with theirs: the baselines take minutes, over
-which a shared machine's speed can drift. ``--baseline llama.cpp`` decodes the same workload with
-llama.cpp on the engine's GGUF file (:mod:`pagedllm.bench.llamacpp`: greedy, with the engine's
+which a shared machine's speed can drift. ``--baseline llama.cpp-python`` decodes the same workload
+with llama.cpp, through its Python binding, on the engine's GGUF file (:mod:`pagedllm.bench.llamacpp`: greedy, with the engine's
 ``max_num_seqs``, ``max_num_batched_tokens`` and threads). Sampling is greedy unless ``--temperature``
 is set; EOS is ignored (``--no-ignore-eos`` to honour it) so every request produces exactly its
 output length.
@@ -250,7 +250,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAMES",
         help="Comma-separated baselines to run on the same workload: hf-static, hf-cb (HF transformers), "
-        "llama.cpp (the same GGUF file; needs the llamacpp extra).",
+        "llama.cpp-python (llama.cpp through its Python binding, the same GGUF file; needs the llamacpp "
+        "extra). The native llama.cpp tools are compared by 'pagedllm bench scale'.",
     )
     group.add_argument(
         "--baseline-batch-size", type=int, default=16, help="Batch size of hf-static (default 16)."

@@ -49,25 +49,43 @@ def test_baseline_is_greedy_only() -> None:
 
 def test_split_baselines() -> None:
     assert llamacpp.split_baselines(None) == (None, False)
-    assert llamacpp.split_baselines("llama.cpp") == (None, True)
-    assert llamacpp.split_baselines("hf-static, llama.cpp,hf-cb") == ("hf-static,hf-cb", True)
-    with pytest.raises(ValueError, match="llama.cpp"):
+    assert llamacpp.split_baselines("llama.cpp-python") == (None, True)
+    assert llamacpp.split_baselines("hf-static, llama.cpp-python,hf-cb") == ("hf-static,hf-cb", True)
+    with pytest.raises(ValueError, match="llama.cpp-python"):
         llamacpp.split_baselines("vllm")
+    # The bare name means the native tools, which run their own workloads: refused, pointing elsewhere.
+    with pytest.raises(ValueError, match="bench scale"):
+        llamacpp.split_baselines("hf-cb,llama.cpp")
 
 
-@pytest.mark.parametrize("command", ["latency", "perplexity"])
+@pytest.mark.parametrize(
+    ("command", "baseline"),
+    [("latency", "llama.cpp-python"), ("perplexity", "llama.cpp-python"), ("latency", "llama.cpp")],
+)
 def test_cli_refuses_llama_cpp_on_a_hf_checkpoint(
-    command: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    command: str, baseline: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "config.json").write_text("{}")
     with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
-        assert main(["bench", command, "--baseline", "llama.cpp", "--model", str(tmp_path)]) == 2
-    assert "needs a GGUF model file" in caplog.text
+        assert main(["bench", command, "--baseline", baseline, "--model", str(tmp_path)]) == 2
+    assert f"--baseline {baseline} needs a GGUF model file" in caplog.text
+
+
+@pytest.mark.parametrize("command", ["perplexity", "throughput"])
+def test_cli_refuses_the_native_name(command: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``--baseline llama.cpp`` means the native tools: refused before any model loads, naming the
+    binding's name and the command that compares with the native tools."""
+    with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
+        assert main(["bench", command, "--baseline", "llama.cpp"]) == 2
+    assert "--baseline llama.cpp-python" in caplog.text
+    assert "pagedllm bench scale" in caplog.text
 
 
 def test_cli_names_the_extra_when_absent(no_llama_cpp: None, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
-        assert main(["bench", "throughput", "--baseline", "hf-cb,llama.cpp", "--num-prompts", "1"]) == 2
+        assert (
+            main(["bench", "throughput", "--baseline", "hf-cb,llama.cpp-python", "--num-prompts", "1"]) == 2
+        )
     assert "pip install 'pagedllm[llamacpp]'" in caplog.text
 
 
@@ -84,7 +102,7 @@ def _next_token(history: Sequence[int]) -> int:
 
 
 def _reference(req: BenchRequest, stop: set[int]) -> list[int]:
-    history, out = list(req.prompt_token_ids), []
+    history, out = list(req.prompt_token_ids), list[int]()
     while len(out) < req.output_len:
         token = _next_token(history)
         out.append(token)
