@@ -33,6 +33,14 @@ from pagedllm.kernels.cpu.quant import (
 needs_amx = pytest.mark.skipif(
     not kernels_available() or not amx_available(), reason="no AMX-BF16 (or no C compiler) here"
 )
+
+
+@pytest.fixture(autouse=True)
+def _amx_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiles are opt-in (``PAGEDLLM_CPU_AMX=1``); these tests take them."""
+    monkeypatch.setenv("PAGEDLLM_CPU_AMX", "1")
+
+
 SOURCE = Path(library.__file__).parent.parent / "csrc" / "quant_amx_cpu.c"
 
 

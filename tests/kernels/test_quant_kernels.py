@@ -36,7 +36,7 @@ from pagedllm.kernels.cpu.library import kernels_available, load_library
 from pagedllm.kernels.cpu.quant import (
     SUPPORTED_TYPES,
     QuantizedWeight,
-    amx_available,
+    amx_enabled,
     block_size,
     check_supported,
     dequantize,
@@ -353,4 +353,4 @@ def test_other_instruction_sets(variant: str, variant_libraries: dict[str, ctype
 def test_kernel_isa_is_named() -> None:
     isa = kernel_isa()
     assert isa.removesuffix(" + AMX-BF16") in {"portable C", "AVX2", "AVX2 + AVX-VNNI", "AVX-512 VNNI"}
-    assert isa.endswith(" + AMX-BF16") == amx_available()
+    assert isa.endswith(" + AMX-BF16") == amx_enabled()

@@ -125,11 +125,12 @@ def test_engine_runs_the_blocks_and_native_decode_matches(
 @needs_kernels
 @pytest.mark.skipif(not kernels_available() or not amx_available(), reason="no AMX-BF16 here")
 def test_native_decode_takes_the_tiles_as_the_python_forward_does(
-    make_llm: Any, mixed_gguf: tuple[str, dict[str, torch.Tensor]]
+    make_llm: Any, mixed_gguf: tuple[str, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode steps of 20 sequences down to 1 cross AMX_MIN_ROWS of the K types (16): the native layers
     pick the AMX or the integer path for each part as quant_matmul does (their hidden states match
     the Python forward's at every batch size)."""
+    monkeypatch.setenv("PAGEDLLM_CPU_AMX", "1")  # the tiles are opt-in
     path, _ = mixed_gguf
     llm = make_llm(path, tokenizer=default_model_path(), num_kv_blocks=64, max_model_len=512)
     runner = llm.llm_engine.runner

@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.kernels.cpu.library import load_library
 from pagedllm.kernels.cpu.linear import PanelLinear
-from pagedllm.kernels.cpu.quant import AMX_MIN_ROWS, amx_available, block_size
+from pagedllm.kernels.cpu.quant import AMX_MIN_ROWS, amx_enabled, block_size
 from pagedllm.kernels.cpu.quant_linear import QuantLinear
 
 _MAX_PARTS = 4  # LINEAR_MAX_PARTS in decode_layers_cpu.c
@@ -47,7 +47,7 @@ def linear_weight_struct(module: PanelLinear | QuantLinear) -> LinearWeightStruc
                 p.type_id,
                 p.out_features,
                 p.blocks.data_ptr(),
-                AMX_MIN_ROWS[block_size(p.type_name)] if amx_available() else 0,
+                AMX_MIN_ROWS[block_size(p.type_name)] if amx_enabled() else 0,
             )
             for p in module.parts
         ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from typing import Any
 
@@ -172,7 +173,7 @@ def kernel_isa() -> str:
     if not kernels_available():
         return "portable C"
     name = _ISA_NAMES.get(int(load_library().quant_kernel_isa()), "unknown")
-    return name + " + AMX-BF16" if amx_available() else name
+    return name + " + AMX-BF16" if amx_enabled() else name
 
 
 @functools.cache
@@ -182,9 +183,17 @@ def amx_available() -> bool:
     return kernels_available() and bool(load_library().amx_quant_available())
 
 
+def amx_enabled() -> bool:
+    """Whether products of many rows take the AMX tiles by default: where they run
+    (:func:`amx_available`) and ``PAGEDLLM_CPU_AMX=1`` asks for them. Off by default: the tiles round
+    in bfloat16, so a row's result would depend on how many rows share its step (a prompt alone and
+    the same prompt batched could differ in a near-tie), and the engine keeps batching invariant."""
+    return os.environ.get("PAGEDLLM_CPU_AMX", "0") == "1" and amx_available()
+
+
 def uses_amx(weight: QuantizedWeight, rows: int) -> bool:
     """Whether :func:`quant_matmul` multiplies ``rows`` rows by ``weight`` on the AMX tiles."""
-    return rows >= AMX_MIN_ROWS[block_size(weight.type_name)] and amx_available()
+    return rows >= AMX_MIN_ROWS[block_size(weight.type_name)] and amx_enabled()
 
 
 def _check_rc(rc: int, weight: QuantizedWeight) -> None:
