@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -211,49 +212,40 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
             self._sequence_success.labels(model_name, reason)
-        self.request_prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens",
-            "Prompt tokens of each finished request, prefix-cache hits included.",
-            labels,
-            buckets=_TOKEN_COUNT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.request_generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens",
-            "Tokens generated for each finished request (all of its n sequences).",
-            labels,
-            buckets=_TOKEN_COUNT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
 
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens",
+            "Prompt tokens of each finished request, prefix-cache hits included.",
+            _TOKEN_COUNT_BUCKETS,
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated for each finished request (all of its n sequences).",
+            _TOKEN_COUNT_BUCKETS,
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
             "Time from the request's arrival at the front-end to its first generated token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+            _LATENCY_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
             "Time between successive tokens of a sequence, as the engine produced them.",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            _ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds",
             "Time from arrival to the end of a finished request.",
-            labels,
-            buckets=_REQUEST_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
+            _REQUEST_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
             "Time a request waited before it was first scheduled.",
-            labels,
-            buckets=_REQUEST_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
+            _REQUEST_BUCKETS,
+        )
 
         self._last_stats: dict[str, EngineStats] = {}
         self.register_engines(["0"])
