@@ -111,8 +111,7 @@ class AsyncMPEngine(AsyncEngineClient):
         )
 
     def dead_message(self) -> str:
-        if self._dead is None and self._started:
-            return "The engine is not running."
+        # The client records why its cores died before the caller side hears of it: prefer it.
         return self.client.dead_message() if self.client.dead_reason else super().dead_message()
 
     # ------------------------------------------------------------------ caller side

@@ -310,9 +310,7 @@ def build_app(
 
 
 def _dead(engine: AsyncEngineClient) -> OpenAIError:
-    reason = engine.dead_error
-    message = "The engine is not running." if reason is None else f"The engine has stopped: {reason}"
-    return OpenAIError(message, status_code=503, type="server_error", code="engine_dead")
+    return OpenAIError(engine.dead_message(), status_code=503, type="server_error", code="engine_dead")
 
 
 class GracefulServer(uvicorn.Server):
