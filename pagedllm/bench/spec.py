@@ -40,7 +40,8 @@ from pagedllm.bench.common import (
     write_json,
 )
 from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine, check_speculative
+from pagedllm.engine.engine_checks import check_speculative
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.draft_model import read_draft_config
 

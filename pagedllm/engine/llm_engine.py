@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -13,34 +12,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedllm.engine.engine_checks import (
-    check_new_request_id,
-    check_priority,
-    check_sequence_ids,
-    check_speculative,
-    resolve_step_time,
-)
-from pagedllm.engine.input_processor import InputLimits, InputProcessor
-from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.pooling_processor import PoolingLimits, PoolingProcessor, resolve_task
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.engine.engine_builder import EngineParts, build_engine_parts, log_engine_parts
+from pagedllm.engine.engine_checks import check_priority
+from pagedllm.engine.engine_tasks import FAULT_INJECTION_ENV
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepEvents
-from pagedllm.errors import RequestError
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.generation_config import load_generation_defaults
-from pagedllm.model.pooling import resolve_pooling_config
+from pagedllm.model.pooling import PoolingConfig
 from pagedllm.model.tokenizer import render_chat
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec.config import SpeculativeConfig
-from pagedllm.spec.proposer import NgramProposer, Proposer
-from pagedllm.worker.draft_model import DraftModelProposer
-from pagedllm.worker.encoder_executor import EncoderExecutor, is_encoder_model
-from pagedllm.worker.executor import Executor
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import StepSamples
@@ -49,9 +33,6 @@ if TYPE_CHECKING:
     from pagedllm.structured import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
-
-# Environment variable naming an engine step that fails on purpose (for tests of engine death).
-FAULT_INJECTION_ENV = "PAGEDLLM_INJECT_FAULT_AT_STEP"
 
 
 def _freeze_startup_objects() -> None:
@@ -86,7 +67,9 @@ class LaunchedStep:
 
 class LLMEngine:
     """The step loop: owns the scheduler, the KV cache manager, the input and output processors, and
-    an :class:`~pagedllm.worker.executor.Executor` that runs the model (device, weights, KV tensors).
+    an executor that runs the model (device, weights, KV tensors), all built by
+    :func:`~pagedllm.engine.engine_builder.build_engine_parts`. The engine talks to the executor
+    through :class:`~pagedllm.worker.executor_protocol.ModelExecutor` only.
 
     Not thread-safe: one thread drives ``add_request``/``step``/``abort_request``.
 
@@ -100,135 +83,48 @@ class LLMEngine:
     requests need their latest token on the host to sample the next (see
     ``Request.can_sample_ahead``) is resolved before the next is scheduled.
 
-    ``task`` is ``generate`` or ``embed`` (``config.task``, or from the architecture). An embed engine
-    takes pooling requests (:class:`PoolingParams`) and runs :meth:`step_pooling` instead of
-    :meth:`step`: each prompt is computed whole in one step and pooled into its embedding, and the
-    request finishes in that step. An encoder model (BERT) runs on an :class:`EncoderExecutor`, with no
-    KV cache (zero blocks).
+    ``task`` is ``generate`` or ``embed`` (``config.task``, or from the architecture); what differs
+    between them is ``task_strategy`` (:mod:`pagedllm.engine.engine_tasks`). An embed engine takes
+    pooling requests (:class:`PoolingParams`) and runs :meth:`step_pooling` instead of :meth:`step`:
+    each prompt is computed whole in one step and pooled into its embedding, and the request finishes
+    in that step. An encoder model (BERT) runs on an encoder executor, with no KV cache (zero blocks).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        # Read (and checked) before the weights load, so a bad --generation-config fails fast.
-        generation = load_generation_defaults(config.generation_config, config.model)
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        """An engine of ``config`` on ``parts``, which :func:`build_engine_parts` builds from it
+        unless they are given (built from this ``config``)."""
+        if parts is None:
+            parts = build_engine_parts(config)
+        elif parts.config is not config:
+            raise ValueError("parts: built from another EngineConfig than the engine's config.")
+        self.config = parts.config
         # The model's default sampling parameters that were found (a subset of temperature, top_p,
         # top_k, min_p, repetition_penalty); a request's own values win over them.
-        self.default_sampling: dict[str, float | int] = dict(generation.values)
-        encoder = is_encoder_model(config.model)
-        self.task = resolve_task(config.task, encoder, config.model or "the default model")
-        if self.task != "embed" and (config.pooling_type is not None or config.pooling_normalize is not None):
-            raise ValueError("pooling_type and pooling_normalize apply to task 'embed' only.")
-        self.speculative = check_speculative(config, self.task)  # before any rank process starts
-        if self.task == "embed" and (config.async_scheduling or config.swap_space):
-            raise ValueError(
-                f"{'async_scheduling' if config.async_scheduling else 'swap_space'} does not apply to task "
-                "embed: a prompt is computed and pooled in one step."
-            )
-        self.executor: Executor | EncoderExecutor
-        if config.world_size > 1 or config.nnodes > 1:
-            if encoder or config.node_rank:
-                raise ValueError(
-                    "tensor_parallel_size / pipeline_parallel_size: encoder models run on one rank."
-                    if encoder
-                    else f"node_rank {config.node_rank}: only node 0 runs the engine (start the others "
-                    "with `pagedllm serve --node-rank N`)."
-                )
-            from pagedllm.worker.parallel_executor import ParallelExecutor
-
-            self.executor = ParallelExecutor(config)
-        else:
-            self.executor = EncoderExecutor(config) if encoder else Executor(config)
-        executor = self.executor
+        self.default_sampling = parts.default_sampling
+        self.task_strategy = parts.task  # what differs between generating and embedding
+        self.task = parts.task.name
+        self.speculative = parts.speculative
+        self.executor = executor = parts.executor
         self.tokenizer = executor.tokenizer
         self.model_name = executor.model_name
         self.vocab_size = executor.model_config.vocab_size
         self.eos_token_ids = list(executor.model_config.eos_token_ids)
         self.max_model_len = executor.max_model_len
         self.device = executor.device
-        self.proposer = self._make_proposer(self.speculative)
-        if self.speculative is not None:
-            logger.info(
-                "Speculative decoding: %s; scheduling ahead is off with it, and steps that verify drafts "
-                "run without CUDA graphs.",
-                self.speculative,
-            )
+        self.proposer = parts.proposer
         self.num_drafts = 0  # request steps that verified drafts, total
         self.num_draft_tokens = 0  # draft tokens verified, total
         self.num_accepted_tokens = 0  # of those, accepted
-        # On by default where it pays: a GPU computes while the host schedules, and pipeline stages
-        # work on different steps (not with speculative decoding: drafts follow the latest token).
-        self.async_scheduling = (
-            config.async_scheduling
-            if config.async_scheduling is not None
-            else (self.device.type == "cuda" or config.pipeline_parallel_size > 1) and self.proposer is None
-        ) and self.task == "generate"
-        # Steps launched back to back that the executor's pipeline stages run at once (1: none).
-        interleaved = (
-            executor.interleave_steps() if self.async_scheduling and isinstance(executor, Executor) else 1
-        )
-        self.max_in_flight = max(1, interleaved - 1)  # steps left in flight when step() returns
+        self.async_scheduling = parts.async_scheduling
+        self.max_in_flight = parts.max_in_flight  # steps left in flight when step() returns
         self._in_flight: deque[LaunchedStep] = deque()  # oldest first
         # Test hook: the N-th step raises inside its launch, as a failing forward would.
-        self._fault_at_step = int(os.environ.get(FAULT_INJECTION_ENV) or 0)
-        num_blocks = executor.num_kv_blocks
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.eos_token_ids,
-            InputLimits(
-                vocab_size=self.vocab_size,
-                max_model_len=self.max_model_len,
-                max_logprobs=config.max_logprobs,
-                block_size=config.block_size,
-                num_kv_blocks=num_blocks,
-                max_num_seqs=config.max_num_seqs,
-            ),
-        )
-        prefix_caching = config.enable_prefix_caching
-        if self.task == "embed":
-            path = executor.checkpoint_path  # a folder may hold a sentence-transformers pooling config
-            self.pooling_config = resolve_pooling_config(
-                path if os.path.isdir(path) else None,
-                encoder=encoder,
-                hidden_size=executor.model_config.hidden_size,
-                matryoshka_dimensions=(
-                    executor.model_config.matryoshka_dimensions
-                    if isinstance(executor, EncoderExecutor)
-                    else None
-                ),
-                pooling_type=config.pooling_type,
-                normalize=config.pooling_normalize,
-            )
-            # Only the last token's state survives a cached prefix; mean and CLS pooling need every row.
-            prefix_caching = prefix_caching and not encoder and self.pooling_config.pooling_type == "last"
-            self.pooling = PoolingProcessor(
-                self.input_processor,
-                self.pooling_config,
-                PoolingLimits(self.max_model_len, config.block_size, None if encoder else num_blocks),
-            )
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            prefix_caching,
-            sliding_window=uniform_sliding_window(executor.model_config),
-            num_host_blocks=executor.host_kv.num_blocks
-            if isinstance(executor, Executor) and executor.host_kv
-            else 0,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                executor.max_num_batched_tokens,
-                whole_prompts=self.task == "embed",
-                uses_kv_cache=not encoder,
-                interleaved_steps=interleaved,
-                policy=config.scheduling_policy,
-                preemption_mode=config.preemption_mode,
-                costs=getattr(executor, "preemption_costs", None),
-                max_step_time_s=resolve_step_time(config, self.task, self.device.type, interleaved),
-            ),
-            self.kv_cache_manager,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._fault_at_step = parts.fault_at_step
+        self.input_processor = parts.input_processor
+        self._pooling_config = parts.pooling_config
+        self.kv_cache_manager = parts.kv_cache_manager
+        self.scheduler = parts.scheduler
+        self.output_processor = parts.output_processor
         self.num_prompt_tokens = 0  # prompt tokens computed (stats: prompt_tokens_computed)
         self.step_events = StepEvents()  # a bounded record of the latest steps (the dashboard's)
         self.step_times = StepPhaseTimes()
@@ -237,59 +133,23 @@ class LLMEngine:
         # the engine: keep them out of the collector's full passes, which the per-step objects of a
         # few hundred running requests would otherwise trigger every few dozen steps.
         _freeze_startup_objects()
-        tokens = num_blocks * config.block_size
-        logger.info(
-            "Loaded %s on %s (%s, %s attention) in %.1fs. KV cache: %d blocks x %d tokens = %d tokens "
-            "(%.0f MiB); maximum concurrency for %d-token requests: %.2fx; scheduling ahead %s; task %s",
-            self.model_name,
-            self.device,
-            str(executor.dtype).removeprefix("torch."),
-            executor.attention_backend,
-            executor.load_time_s,
-            num_blocks,
-            config.block_size,
-            tokens,
-            executor.kv_cache_bytes / 2**20,
-            self.max_model_len,
-            tokens / self.max_model_len,
-            "on" if self.async_scheduling else "off",
-            self.task,
-        )
-        self._log_host_tier()
-
-    def _make_proposer(self, spec: SpeculativeConfig | None) -> Proposer | None:
-        """Prompt lookup, or a draft model loaded next to the target (its own KV cache)."""
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec, self.max_model_len)
-        assert isinstance(self.executor, Executor)
-        return DraftModelProposer(spec, self.config, self.executor)
-
-    def _log_host_tier(self) -> None:
-        host, costs = self.kv_cache_manager.host, self.scheduler.config.costs
-        if host is not None and costs is not None:
-            logger.info(
-                "Host KV tier: %d blocks (%.0f MiB); preemption %s; measured copies %.2f GB/s, products "
-                "%.1f GFLOP/s",
-                host.pool.num_blocks,
-                host.pool.num_blocks * costs.block_bytes / 2**20,
-                self.config.preemption_mode,
-                costs.copy_bytes_per_s / 1e9,
-                costs.flops_per_s / 1e9,
-            )
+        log_engine_parts(parts)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
 
     @property
+    def pooling_config(self) -> PoolingConfig:
+        """The pooling of an embed engine (AttributeError for task 'generate')."""
+        if self._pooling_config is None:
+            raise AttributeError(f"pooling_config: this engine runs task {self.task!r}, which pools nothing.")
+        return self._pooling_config
+
+    @property
     def runner(self) -> ModelRunner:
         """The executor's model runner (for introspection: backend, CUDA graphs, KV tensors)."""
-        executor = self.executor
-        if isinstance(executor, EncoderExecutor):
-            raise ValueError(f"{self.model_name} is an encoder: it has no paged model runner.")
-        return executor.runner
+        return self.executor.runner  # ValueError for an encoder, which has none
 
     @property
     def model_config(self) -> ModelConfig:
@@ -313,33 +173,7 @@ class LLMEngine:
         embed engine (None: the defaults of either). ``priority`` orders requests under the ``priority``
         policy (lower first; only 0 under ``fcfs``). Raises RequestError naming the field, changing nothing."""
         check_priority(priority, self.scheduler.config.policy, wire=False)
-        if self.task == "embed":
-            if isinstance(params, SamplingParams):
-                how = "a decoder model" if isinstance(self.executor, EncoderExecutor) else "this model"
-                raise RequestError(
-                    None,
-                    f"This engine runs task 'embed' ({self.model_name}): it embeds (LLM.embed, /v1/embeddings) "
-                    f"and does not generate; to generate, start {how} with task='generate' (--task generate).",
-                )
-            request = self.pooling.make_request(request_id, prompt, params or PoolingParams(), arrival_time)
-            request.priority = priority
-            self.scheduler.add_request(request)
-            return
-        if isinstance(params, PoolingParams):
-            raise RequestError(
-                None,
-                f"This engine runs task 'generate' ({self.model_name}): it does not embed; start it with "
-                "task='embed' (--task embed) for embeddings.",
-            )
-        params = params or SamplingParams()
-        check_new_request_id(request_id, self.output_processor.parents)
-        processed = self.input_processor.process(request_id, prompt, params, arrival_time)
-        sequence_ids = [s.request_id for s in processed.sequences]
-        check_sequence_ids(request_id, sequence_ids, self.output_processor.sequences)
-        self.output_processor.add_request(request_id, processed.prompt, processed.sequences)
-        for req in processed.sequences:
-            req.priority = priority
-            self.scheduler.add_request(req)
+        self.task_strategy.add_request(request_id, prompt, params, arrival_time, priority)
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:
@@ -350,20 +184,14 @@ class LLMEngine:
         """Abort requests (by the id given to add_request); their blocks are freed at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            if self.task == "embed" and self.pooling.requests.pop(rid, None) is not None:
-                self.scheduler.abort_requests([rid])
-                continue
-            child_ids = self.output_processor.child_ids(rid)
-            self.scheduler.abort_requests(child_ids)
-            self.output_processor.remove(rid)
+            self.task_strategy.abort(rid)
         self._settle()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        pooling = len(self.pooling.requests) if self.task == "embed" else 0
-        return len(self.output_processor.parents) + pooling
+        return self.task_strategy.num_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -372,8 +200,7 @@ class LLMEngine:
         With ``async_scheduling`` the outputs are those of the step launched by the previous call.
         An embed engine runs :meth:`step_pooling` instead (ValueError here).
         """
-        if self.task == "embed":
-            raise ValueError("This engine runs task 'embed': its steps are run by step_pooling().")
+        self.task_strategy.check_step()
         in_flight = self._in_flight
         outputs: list[RequestOutput] = []
         if self.scheduler.config.interleaved_steps == 1 and in_flight and not in_flight[-1].can_run_ahead:
@@ -394,32 +221,7 @@ class LLMEngine:
     def step_pooling(self) -> list[EmbeddingRequestOutput]:
         """Schedule prompts (each whole, under the step's budgets), pool them, and return their
         embeddings; every scheduled request finishes in this step, its KV blocks freed (embed engines)."""
-        if self.task != "embed":
-            raise ValueError("This engine runs task 'generate': its steps are run by step().")
-        times = self.step_times
-        started = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        times.steps += 1
-        times.schedule += time.perf_counter() - started
-        try:
-            if times.steps == self._fault_at_step:
-                raise RuntimeError(f"injected fault at step {times.steps} ({FAULT_INJECTION_ENV})")
-            pooled = self.executor.pool(scheduler_output, self.pooling_config.pooling_type, times)
-        except BaseException:
-            self.kv_cache_manager.uncache(scheduler_output.newly_cached_blocks)
-            raise
-        self.scheduler.update_after_step(scheduler_output)
-        started = time.perf_counter()
-        requests = [s.request for s in scheduler_output.scheduled_requests]
-        for scheduled in scheduler_output.scheduled_requests:
-            self.num_prompt_tokens += scheduled.num_tokens
-            self.output_processor.count_prompt(scheduled.request)
-            self.scheduler.finish_request(scheduled.request, RequestStatus.FINISHED_STOPPED)
-        outputs = self.pooling.outputs(requests, pooled)
-        times.outputs += time.perf_counter() - started
-        return outputs
+        return self.task_strategy.step_pooling(self)
 
     def _settle(self) -> None:
         """Resolve the steps in flight once every request in them has finished (all their tokens
@@ -438,7 +240,7 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if scheduler_output.copies_out and isinstance(self.executor, Executor):
+            if scheduler_output.copies_out:
                 self.executor.copy_blocks(scheduler_output)  # victims swapped out for nothing to run
             return None
         times.steps += 1
@@ -570,16 +372,13 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop what the executor started (the other ranks of a parallel model); the engine cannot
         step afterwards."""
-        stop = getattr(self.executor, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.executor.shutdown()
 
     def check_idle(self) -> None:
         """Assert no request is left and every KV block is free (cached or not)."""
         assert not self.scheduler.has_unfinished_requests(), "requests still queued"
         assert not self._in_flight, "a step is still in flight"
-        assert not self.output_processor.parents, "request state left behind"
-        assert self.task != "embed" or not self.pooling.requests, "pooling request state left behind"
+        self.task_strategy.check_idle()
         self.kv_cache_manager.check_idle()
         if self.proposer is not None:
             self.proposer.check_idle()

@@ -46,6 +46,7 @@ from pagedllm.spec.config import SpeculativeConfig, check_draft_vocab
 from pagedllm.spec.proposer import draft_limit
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.executor import Executor
+from pagedllm.worker.executor_protocol import ModelExecutor
 from pagedllm.worker.phase_times import StepPhaseTimes
 
 logger = logging.getLogger("pagedllm")
@@ -127,7 +128,7 @@ class DraftExecutor(Executor):
 
 
 def draft_engine_config(
-    spec: SpeculativeConfig, config: EngineConfig, target: Executor, max_model_len: int
+    spec: SpeculativeConfig, config: EngineConfig, target: ModelExecutor, max_model_len: int
 ) -> EngineConfig:
     """The draft executor's configuration: the target's device, dtype, block size and step budget,
     the draft's own checkpoint, tokenizer and KV pool (:func:`draft_kv_blocks`)."""
@@ -164,7 +165,7 @@ class DraftModelProposer:
     docstring). Construction loads the draft (ValueError naming ``speculative_config.model`` when
     it cannot be loaded or its vocabulary or tokenizer differ from the target's)."""
 
-    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: Executor) -> None:
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelExecutor) -> None:
         assert spec.method == "draft_model" and spec.model is not None
         self.k = spec.num_speculative_tokens
         draft_arch = read_draft_config(spec.model)

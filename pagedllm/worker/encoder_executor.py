@@ -3,8 +3,9 @@
 An encoder reads its whole prompt at once (attention is bidirectional), so a prompt is never split
 across steps and nothing of it is kept after its step: the engine schedules such prompts whole, under
 the same ``max_num_seqs`` and ``max_num_batched_tokens`` budgets as generation, with a KV pool of zero
-blocks. This executor offers the attributes the engine reads of :class:`~pagedllm.worker.executor.Executor`
-(tokenizer, limits, device, load time, KV size) and :meth:`pool` in place of ``launch``.
+blocks. This executor implements :class:`~pagedllm.worker.executor_protocol.ModelExecutor` as an
+encoder honestly can: :meth:`pool` runs its steps; it has no host tier, no pipeline stages and no
+paged model runner, and :meth:`launch` refuses (it does not generate).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.preemption import PreemptionCosts
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.kernels.cpu.linear import optimize_cpu_linears
 from pagedllm.model.bert import (
@@ -30,7 +32,7 @@ from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
 from pagedllm.worker.cpu_memory import keep_freed_memory
-from pagedllm.worker.model_runner import resolve_device, resolve_dtype, to_device
+from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, to_device
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import RunnerOutput
 
@@ -104,6 +106,28 @@ class EncoderExecutor:
         self.num_kv_blocks = 0
         self.kv_cache_bytes = 0
         self.load_time_s = time.perf_counter() - started
+
+    # -- what an encoder does not have (see ModelExecutor) ----------------------------------------
+    num_host_kv_blocks = 0  # no host tier: nothing is kept between steps
+    preemption_costs: PreemptionCosts | None = None
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        return self.model_config.matryoshka_dimensions
+
+    @property
+    def runner(self) -> ModelRunner:
+        raise ValueError(f"{self.model_name} is an encoder: it has no paged model runner.")
+
+    def interleave_steps(self) -> int:
+        return 1
+
+    def copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.copies_out or scheduler_output.copies_in:
+            raise ValueError(f"{self.model_name} is an encoder: it keeps no KV blocks to copy.")
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the encoder runs in the engine's process."""
 
     def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:
         """Generation steps: an encoder has none (the engine runs task embed)."""

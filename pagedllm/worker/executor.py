@@ -4,8 +4,8 @@
 :class:`~pagedllm.worker.model_runner.ModelRunner`, sizes and allocates the paged KV cache, and
 prepares the fast decode path (CUDA graphs on a GPU, the native decode layers on a CPU). The engine
 asks it to :meth:`launch` scheduled steps and nothing else. This executor runs one worker in the
-engine's own process; executors that run workers in other processes (multi-process, tensor and
-pipeline parallel) offer the same attributes and :meth:`launch`.
+engine's own process; executors that run workers in other processes (tensor and pipeline parallel)
+derive from it. Every executor implements :class:`~pagedllm.worker.executor_protocol.ModelExecutor`.
 """
 
 from __future__ import annotations
@@ -174,6 +174,16 @@ class Executor:
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_kv_blocks * self.runner.kv_bytes_per_block
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """Blocks of the host tier (0: ``swap_space`` is 0)."""
+        return self.host_kv.num_blocks if self.host_kv is not None else 0
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        """A decoder states no truncation sizes of its own (a pooling configuration may)."""
+        return None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
