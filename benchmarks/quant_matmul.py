@@ -35,11 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # pagedllm_bench/
 
-from pagedllm.bench.common import format_table  # noqa: E402
 from pagedllm.kernels.cpu.linear import PanelLinear  # noqa: E402
 from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize, kernel_isa, quant_matmul  # noqa: E402
 from pagedllm.model.loader import default_model_path  # noqa: E402
+from pagedllm_bench.common import format_table  # noqa: E402
 
 COLD_BYTES = 96 * 2**20  # more than the last-level cache of the machines this runs on
 

@@ -2,7 +2,7 @@
 
 Layers, top to bottom (docs/ARCHITECTURE.md):
 
-    entrypoints, bench  ->  engine  ->  core, worker, distributed  ->  model, sample, structured  ->  attention
+    entrypoints  ->  engine  ->  core, worker, distributed  ->  model, sample, structured  ->  attention
     ->  kernels
 
 A module may import its own package, any package below it, and packages beside it in the same layer as
@@ -36,9 +36,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
+# The benchmarks: a package of their own above the runtime, which never imports them.
+BENCH_PACKAGE = PACKAGE.parent / "benchmarks" / "pagedllm_bench"
 
 LAYERS: list[set[str]] = [
-    {"__init__", "__main__", "entrypoints", "bench"},
+    {"__init__", "__main__", "entrypoints"},
     {"engine"},
     {"core", "worker", "distributed"},
     {"model", "sample", "spec", "structured"},
@@ -52,19 +54,13 @@ SHARED = {"config", "errors", "request", "sampling_params", "pooling_params", "o
 SAME_LAYER_ARROWS = {
     ("__init__", "entrypoints"),
     ("__main__", "entrypoints"),
-    ("bench", "__init__"),
-    ("bench", "entrypoints"),
     ("entrypoints", "__init__"),
     ("worker", "core"),
     ("worker", "distributed"),
     ("spec", "sample"),
 }
 # ``_private`` names still imported by other modules: (importing module, module.name). Only shrinks.
-KNOWN_PRIVATE_IMPORTS = {
-    ("pagedllm.bench.moe", "pagedllm.bench.throughput._pad_token_id"),
-    ("pagedllm.bench.prefix_routing", "pagedllm.bench.workloads._random_ids"),
-    ("pagedllm.bench.prefix_routing", "pagedllm.bench.workloads._token_pool"),
-}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 # Rooms that write ``Request`` attributes (besides ``pagedllm/request.py`` itself).
 REQUEST_WRITERS = {"core", "engine"}
 # Modules that import from these reach requests (the type, or a scheduler output's rows).
@@ -92,8 +88,8 @@ MUTATING_METHODS = {
 REQUEST_METHODS = {"append_output_token"}  # Request's own methods that change it
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -123,7 +119,9 @@ def _imports_of(module: str, source: str, is_package: bool = False) -> set[str]:
     found: set[str] = set()
     for imported, names in _import_nodes(module, source, is_package):
         found.update(
-            n for n in [imported, *(f"{imported}.{name}" for name in names)] if n.startswith("pagedllm")
+            n
+            for n in [imported, *(f"{imported}.{name}" for name in names)]
+            if n == "pagedllm" or n.startswith("pagedllm.")
         )
     return found
 
@@ -261,6 +259,18 @@ def test_arrows_within_a_layer_are_pinned() -> None:
     assert not both_ways, f"a pair of packages importing each other: {sorted(both_ways)}"
 
 
+def test_the_runtime_never_imports_the_benchmarks() -> None:
+    """``pagedllm`` runs without ``pagedllm_bench`` installed: its ``bench`` subcommand names the
+    package as a string and imports it only when run."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        for imported, _ in _import_nodes(_module_name(path), path.read_text(), path.name == "__init__.py"):
+            if imported.split(".")[0] == "pagedllm_bench":
+                wrong.append(f"{_module_name(path)} imports {imported}")
+    assert not wrong, wrong
+    assert (BENCH_PACKAGE / "cli.py").is_file()
+
+
 # -- private names ----------------------------------------------------------------------------------
 def _private_imports(module: str, source: str, is_package: bool = False) -> set[tuple[str, str]]:
     """``(module, imported.name)`` for every ``_private`` name (or module) ``module`` imports from
@@ -282,8 +292,10 @@ def _private_imports(module: str, source: str, is_package: bool = False) -> set[
 
 def test_no_private_name_is_imported_across_modules() -> None:
     found: set[tuple[str, str]] = set()
-    for path in PACKAGE.rglob("*.py"):
-        found |= _private_imports(_module_name(path), path.read_text(), path.name == "__init__.py")
+    for root in (PACKAGE, BENCH_PACKAGE):
+        for path in root.rglob("*.py"):
+            name = _module_name(path, root)
+            found |= _private_imports(name, path.read_text(), path.name == "__init__.py")
     wrong = found - KNOWN_PRIVATE_IMPORTS
     assert not wrong, "private names imported across modules:\n" + "\n".join(
         f"{m} <- {n}" for m, n in sorted(wrong)

@@ -34,13 +34,13 @@ from sections.common import QWEN3_0_6B  # (puts the repository on sys.path)
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.attention.triton_backend import TritonAttentionBackend
-from pagedllm.bench.common import write_json
 from pagedllm.kernels.triton import aot as triton_aot
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.sample import Sampler, SamplingInputs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
+from pagedllm_bench.common import write_json
 
 META = torch.device("meta")
 BLOCK_SIZE = 16

@@ -35,8 +35,8 @@ from host_step import attach_stub_graphs
 from sections.serve import bench_app, in_process_client  # (puts the repository on sys.path)
 
 from pagedllm import LLM, RequestOutputKind, SamplingParams
-from pagedllm.bench.common import write_json
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm_bench.common import write_json
 
 
 class StepClock:

@@ -27,14 +27,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # pagedllm_bench
 
 import torch  # noqa: E402
 
 from pagedllm import LLM, RequestOutputKind, SamplingParams  # noqa: E402
-from pagedllm.bench.common import write_json  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedllm.sample.sampler import Sampler, SamplingInputs  # noqa: E402
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
+from pagedllm_bench.common import write_json  # noqa: E402
 
 PHASES = ("schedule", "prepare", "sample", "outputs")
 

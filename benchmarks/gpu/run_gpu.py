@@ -68,8 +68,8 @@ from sections.summary import summary_table
 from sections.swap import section_swap
 from sections.throughput import section_throughput
 
-from pagedllm.bench.common import free_device_memory, machine_info
-from pagedllm.bench.workloads import random_workload
+from pagedllm_bench.common import free_device_memory, machine_info
+from pagedllm_bench.workloads import random_workload
 
 logger = logging.getLogger("run_gpu")
 

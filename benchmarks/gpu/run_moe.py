@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from sections.common import write_results  # noqa: E402
 from sections.moe import MOE_FULL, MOE_TINY, section_moe, summary_rows  # noqa: E402
 
-from pagedllm.bench.common import format_table, machine_info  # noqa: E402
+from pagedllm_bench.common import format_table, machine_info  # noqa: E402
 
 logger = logging.getLogger("run_moe")
 

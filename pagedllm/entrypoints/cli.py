@@ -13,7 +13,7 @@ import sys
 SUBCOMMANDS = {
     "serve": ("pagedllm.entrypoints.openai.launcher", "Start the OpenAI-compatible HTTP server."),
     "generate": ("pagedllm.entrypoints.generate_cli", "Generate a completion and stream it to stdout."),
-    "bench": ("pagedllm.bench.cli", "Benchmarks: throughput, latency, perplexity, serve, step, roofline."),
+    "bench": ("pagedllm_bench.cli", "Benchmarks: throughput, latency, perplexity, serve, step, roofline."),
     "run-batch": ("pagedllm.entrypoints.run_batch", "Answer a file of OpenAI Batch requests offline."),
 }
 
@@ -32,7 +32,17 @@ def main(argv: list[str] | None = None) -> int:
         module_name, help_text = SUBCOMMANDS[name]
         p = sub.add_parser(name, help=help_text, description=help_text)
         if len(names) == 1:
-            modules[name] = importlib.import_module(module_name)
+            try:
+                modules[name] = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name not in (module_name, module_name.split(".")[0]):
+                    raise
+                # The benchmarks are a package of their own (benchmarks/ in the repository).
+                parser.exit(
+                    2,
+                    f"pagedllm {name}: {module_name.split('.')[0]} is not installed "
+                    "(pip install -e ./benchmarks from the repository; make install does).\n",
+                )
             modules[name].add_cli_args(p)
     args = parser.parse_args(argv)
     return int(modules[args.command].run(args) or 0)

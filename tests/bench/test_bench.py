@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,12 @@ import pytest
 from conftest import cached_checkpoint
 
 from helpers.server import RemoteServer
-from pagedllm.bench import baselines, roofline, throughput
-from pagedllm.bench.common import distribution
-from pagedllm.bench.serve_client import RequestResult, arrival_offsets
-from pagedllm.bench.serve_report import parse_slo, summarize
-from pagedllm.bench.workloads import parse_range, prefix_workload, random_workload
 from pagedllm.entrypoints.cli import main
+from pagedllm_bench import baselines, roofline, throughput
+from pagedllm_bench.common import distribution
+from pagedllm_bench.serve_client import RequestResult, arrival_offsets
+from pagedllm_bench.serve_report import parse_slo, summarize
+from pagedllm_bench.workloads import parse_range, prefix_workload, random_workload
 
 TINY_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
 TINY_WORKLOAD = ["--num-prompts", "3", "--input-len", "8:16", "--output-len", "2:4"]
@@ -323,3 +324,16 @@ def test_summarize_goodput_and_distribution() -> None:
     d = distribution([1.0, 2.0, 3.0, 4.0])
     assert d["median"] == d["p50"] == 2.5 and d["max"] == 4.0
     assert math.isnan(distribution([])["mean"])
+
+
+def test_bench_without_the_benchmarks_package_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The runtime runs without ``pagedllm_bench``; ``pagedllm bench`` then exits 2 with the remedy."""
+    monkeypatch.setitem(sys.modules, "pagedllm_bench.cli", None)
+    monkeypatch.setitem(sys.modules, "pagedllm_bench", None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "throughput"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "pagedllm_bench is not installed" in err and "pip install -e ./benchmarks" in err, err

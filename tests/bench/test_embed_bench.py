@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.embed import mixed_sentences
 from pagedllm.entrypoints.cli import main
+from pagedllm_bench.embed import mixed_sentences
 
 
 def test_bench_embed_reports_both_systems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

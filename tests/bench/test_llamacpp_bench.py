@@ -1,5 +1,5 @@
 """The llama.cpp comparison benchmarks without llama-cpp-python: its absence, the refusals, the
-continuous batching of :func:`pagedllm.bench.llamacpp.run_batched` against a fake context, and the
+continuous batching of :func:`pagedllm_bench.llamacpp.run_batched` against a fake context, and the
 engine side of ``pagedllm bench latency`` / ``perplexity`` through the CLI."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedllm.bench import llamacpp
-from pagedllm.bench.latency import common_prefix
-from pagedllm.bench.workloads import BenchRequest, random_workload
 from pagedllm.entrypoints.cli import main
+from pagedllm_bench import llamacpp
+from pagedllm_bench.latency import common_prefix
+from pagedllm_bench.workloads import BenchRequest, random_workload
 
 TINY_ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256", "--threads", "2"]
 
@@ -29,9 +29,9 @@ def no_llama_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_missing_package_names_the_extra(no_llama_cpp: None) -> None:
-    with pytest.raises(RuntimeError, match=r"pip install 'pagedllm\[llamacpp\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install 'pagedllm-bench\[llamacpp\]'"):
         llamacpp.import_llama_cpp()
-    with pytest.raises(ValueError, match=r"pagedllm\[llamacpp\]"):
+    with pytest.raises(ValueError, match=r"pagedllm-bench\[llamacpp\]"):
         llamacpp.check_baseline(None)
 
 
@@ -66,7 +66,7 @@ def test_cli_refuses_llama_cpp_on_a_hf_checkpoint(
     command: str, baseline: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
+    with caplog.at_level(logging.ERROR, logger="pagedllm_bench"):
         assert main(["bench", command, "--baseline", baseline, "--model", str(tmp_path)]) == 2
     assert f"--baseline {baseline} needs a GGUF model file" in caplog.text
 
@@ -75,18 +75,18 @@ def test_cli_refuses_llama_cpp_on_a_hf_checkpoint(
 def test_cli_refuses_the_native_name(command: str, caplog: pytest.LogCaptureFixture) -> None:
     """``--baseline llama.cpp`` means the native tools: refused before any model loads, naming the
     binding's name and the command that compares with the native tools."""
-    with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
+    with caplog.at_level(logging.ERROR, logger="pagedllm_bench"):
         assert main(["bench", command, "--baseline", "llama.cpp"]) == 2
     assert "--baseline llama.cpp-python" in caplog.text
     assert "pagedllm bench scale" in caplog.text
 
 
 def test_cli_names_the_extra_when_absent(no_llama_cpp: None, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
+    with caplog.at_level(logging.ERROR, logger="pagedllm_bench"):
         assert (
             main(["bench", "throughput", "--baseline", "hf-cb,llama.cpp-python", "--num-prompts", "1"]) == 2
         )
-    assert "pip install 'pagedllm[llamacpp]'" in caplog.text
+    assert "pip install 'pagedllm-bench[llamacpp]'" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.moe import mixed_workload, moe_hf_config, parameter_counts
 from pagedllm.entrypoints.cli import main
+from pagedllm_bench.moe import mixed_workload, moe_hf_config, parameter_counts
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2",

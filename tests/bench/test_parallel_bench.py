@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from helpers.model_factory import make_tiny_hf_model
-from pagedllm.bench import parallel as parallel_bench
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import main
+from pagedllm_bench import parallel as parallel_bench
 
 TINY = [
     "--num-prompts", "4", "--input-len", "4:16", "--output-len", "2:5",

@@ -8,7 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from pagedllm.bench.perplexity import (
+from pagedllm.model.loader import resolve_model_path
+from pagedllm.model.tokenizer import load_tokenizer
+from pagedllm.outputs import Logprob
+from pagedllm_bench.perplexity import (
     DEFAULT_TEXT,
     PerplexityResult,
     log_softmax,
@@ -17,9 +20,6 @@ from pagedllm.bench.perplexity import (
     nll_from_prompt_logprobs,
     tokenizer_bos,
 )
-from pagedllm.model.loader import resolve_model_path
-from pagedllm.model.tokenizer import load_tokenizer
-from pagedllm.outputs import Logprob
 
 TEXT_SHA256 = "e398fe77f26f1ba6ea7ccc6e6f0b0c91c6de08ec7f1e5efa6be60dd39ccce4e6"
 

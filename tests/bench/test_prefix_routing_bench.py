@@ -9,8 +9,8 @@ from typing import Any
 import psutil
 import pytest
 
-from pagedllm.bench.common import write_json
-from pagedllm.bench.prefix_routing import (
+from pagedllm_bench.common import write_json
+from pagedllm_bench.prefix_routing import (
     ONE_CORE,
     ONE_CORE_DOUBLE_KV,
     PREFIX,

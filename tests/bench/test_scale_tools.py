@@ -14,9 +14,9 @@ import gguf
 import numpy as np
 import pytest
 
-from pagedllm.bench import make_model, native, native_run, scale
 from pagedllm.entrypoints.cli import main
 from pagedllm.model.loader import default_model_path
+from pagedllm_bench import make_model, native, native_run, scale
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_bad_flags_are_named(
 ) -> None:
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     argv = [default_model_path() if a == "{default}" else a for a in argv]
-    with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
+    with caplog.at_level(logging.ERROR, logger="pagedllm_bench"):
         assert main(argv) == 2
     assert flag in caplog.text
     assert not any(tmp_path.iterdir())  # nothing built or written

@@ -16,8 +16,9 @@ import pytest
 
 from helpers.model_factory import make_tiny_hf_model
 from helpers.server import RemoteServer
-from pagedllm.bench.serve_client import RequestResult
-from pagedllm.bench.serve_priority import (
+from pagedllm.entrypoints.cli import main
+from pagedllm_bench.serve_client import RequestResult
+from pagedllm_bench.serve_priority import (
     HIGH_PRIORITY,
     LOW_PRIORITY,
     PriorityMix,
@@ -25,7 +26,6 @@ from pagedllm.bench.serve_priority import (
     priority_report,
     refusal_hint,
 )
-from pagedllm.entrypoints.cli import main
 
 WORKLOAD = ["--input-len", "8:16", "--output-len", "24:32", "--seed", "3"]
 
@@ -143,7 +143,7 @@ def test_priority_mix_against_an_fcfs_server(
 ) -> None:
     with RemoteServer([tiny, "--no-multiprocess", "--num-kv-blocks", "32", "--max-model-len", "256"]) as srv:
         argv = ["bench", "serve", "--base-url", srv.base_url, "--priority-mix", "2:1", *WORKLOAD]
-        with caplog.at_level(logging.ERROR, logger="pagedllm.bench"):
+        with caplog.at_level(logging.ERROR, logger="pagedllm_bench"):
             assert main([*argv, "--output-json", str(tmp_path / "serve.json")]) == 1
         srv.wait_idle()
     assert "--scheduling-policy priority" in caplog.text

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagedllm.bench.spec import grounded_requests
 from pagedllm.entrypoints.cli import main
+from pagedllm_bench.spec import grounded_requests
 
 
 def test_bench_spec_reports_acceptance_and_equal_tokens(tmp_path: Path) -> None:

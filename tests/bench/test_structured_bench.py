@@ -7,15 +7,15 @@ from typing import Any
 
 import jsonschema
 
-from pagedllm.bench.structured import (
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.tool_calls import JsonArrayToolParser, plan_tools
+from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.structured import (
     BENCHMARK_SCHEMA,
     BENCHMARK_TOOLS,
     measure_structured_throughput,
     measure_tool_call_throughput,
 )
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.tool_calls import JsonArrayToolParser, plan_tools
-from pagedllm.sampling_params import SamplingParams
 
 
 def test_structured_benchmark_compares_equal_work(default_llm: Any) -> None:

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pagedllm.bench.step_time import measure
 from pagedllm.config import EngineConfig
 from pagedllm.core.step_budget import StepBudget
 from pagedllm.engine.engine_checks import resolve_step_time
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.step_time import measure
 
 
 @pytest.fixture(autouse=True)

@@ -21,10 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -34,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.processes import alive, describe, wait_gone
 from helpers.server import SMALL_ENGINE_ARGS, RemoteServer, assert_serve_flags
+from helpers.sse_stream import SSEStream, completion_body
 from pagedllm.engine.core_liveness import unresponsive_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -92,82 +91,15 @@ def _server(args: list[str]) -> Iterator[tuple[RemoteServer, list[psutil.Process
         wait_gone(tree, what="left running after the test")
 
 
-@dataclass
-class Stream:
-    """A streamed completion read on a thread: its chunks, its error event, and when it ended."""
-
-    srv: RemoteServer
-    prompt: str
-    max_tokens: int
-    chunks: int = 0
-    status: int = 0
-    usage: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    last: str = ""
-    exception: str = ""
-    ended: float = 0.0
-    first: threading.Event = field(default_factory=threading.Event)
-    stop: threading.Event = field(default_factory=threading.Event)  # set: close the connection
-    thread: threading.Thread | None = None
-
-    def start(self) -> Stream:
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        body = {
-            "prompt": self.prompt,
-            "max_tokens": self.max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        try:
-            with httpx.stream("POST", self.srv.url("/v1/completions"), json=body, timeout=120) as r:
-                self.status = r.status_code
-                for line in r.iter_lines():
-                    if self.stop.is_set():
-                        return
-                    if not line.startswith("data: "):
-                        continue
-                    self.last = line
-                    if line == "data: [DONE]":
-                        break
-                    payload = json.loads(line[6:])
-                    if "error" in payload:
-                        self.error = payload["error"]
-                    elif payload.get("usage"):
-                        self.usage = payload["usage"]
-                    else:
-                        self.chunks += 1
-                        self.first.set()
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            self.exception = repr(exc)
-        finally:
-            self.ended = time.monotonic()
-            self.first.set()
-
-    def running(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def join(self, timeout: float) -> Stream:
-        assert self.thread is not None
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"stream still running after {timeout:g} s: {self}"
-        return self
-
-    def wait_first(self, timeout: float = 120.0) -> None:
-        assert self.first.wait(timeout) and self.chunks > 0, self
+class Stream(SSEStream):
+    def __init__(self, srv: RemoteServer, prompt: str, max_tokens: int) -> None:
+        super().__init__(srv, completion_body(prompt, max_tokens))
 
     def assert_failed(self, core: int) -> dict[str, Any]:
         """The stream ended with an error event naming ``core``'s death, then ``[DONE]``."""
-        assert not self.exception and self.status == 200, self
-        assert self.error is not None and self.last == "data: [DONE]", self
-        assert self.error["code"] == "engine_dead" and f"engine core {core} died" in self.error["message"], (
-            self
-        )
-        return self.error
+        error = self.assert_failed_with_error_event()
+        assert error["code"] == "engine_dead" and f"engine core {core} died" in error["message"], self
+        return error
 
 
 def _health(srv: RemoteServer) -> tuple[int, dict[str, Any] | None]:

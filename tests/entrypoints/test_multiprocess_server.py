@@ -32,7 +32,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers.processes import alive, describe, wait_gone
 from helpers.prompts import REFERENCE_PROMPTS
 from helpers.server import IDLE_GAUGES, REPO_ROOT, SMALL_ENGINE_ARGS, RemoteServer, free_port
+from helpers.sse_stream import SSEStream, completion_body
 from pagedllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -165,101 +165,12 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-@dataclass
-class Stream:
-    """A streamed request run on a thread: what came back, and when it ended."""
-
-    srv: RemoteServer
-    body: dict[str, Any]
-    path: str = "/v1/completions"
-    hold: threading.Event | None = None  # after the first chunk, wait for this before reading on
-    stop: threading.Event = field(default_factory=threading.Event)  # set: close the connection
-    status: int = 0
-    chunks: int = 0
-    text: str = ""
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    last: str = ""
-    exception: str = ""
-    ended: float = 0.0
-    first: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-    def start(self) -> Stream:
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            with httpx.stream("POST", self.srv.url(self.path), json=self.body, timeout=120) as r:
-                self.status = r.status_code
-                if r.status_code != 200:
-                    r.read()
-                    self.error = r.json().get("error")
-                    return
-                for line in r.iter_lines():
-                    if self.stop.is_set():
-                        return
-                    if not line.startswith("data: "):
-                        continue
-                    self.last = line
-                    if line == "data: [DONE]":
-                        break
-                    payload = json.loads(line[6:])
-                    if "error" in payload:
-                        self.error = payload["error"]
-                        continue
-                    self._add(payload)
-                    if not self.first.is_set():
-                        self.first.set()
-                        if self.hold is not None:
-                            self.hold.wait(60)
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            self.exception = repr(exc)
-        finally:
-            self.ended = time.monotonic()
-            self.first.set()
-
-    def _add(self, chunk: dict[str, Any]) -> None:
-        self.chunks += 1
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            self.text += choice.get("text") or delta.get("content") or ""
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-
-    def join(self, timeout: float = 300.0) -> Stream:
-        assert self.thread is not None
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"stream still running after {timeout:g} s"
-        return self
-
-    def assert_completed(self, max_tokens: int) -> None:
-        assert not self.exception and self.error is None and self.status == 200, self
-        assert self.finish_reason == "length" and self.last == "data: [DONE]", self
-        assert self.usage is not None and self.usage["completion_tokens"] == max_tokens, self
-
+class Stream(SSEStream):
     def assert_failed(self, since: float, *, within: float = FAIL_WITHIN_S) -> dict[str, Any]:
         """The stream ended with an error event then ``[DONE]``, at most ``within`` s after ``since``."""
-        assert not self.exception and self.status == 200, self
-        assert self.error is not None and self.last == "data: [DONE]", self
+        error = self.assert_failed_with_error_event()
         assert self.ended - since < within, (self.ended - since, self)
-        return self.error
-
-
-def _completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **extra,
-    }
+        return error
 
 
 def _wait_first(streams: list[Stream], timeout: float = 120.0) -> None:
@@ -327,7 +238,7 @@ def test_two_front_ends_serve_greedy_outputs_and_stop_together(
     # every connection is open at the same time: both front-ends hold some of them.
     hold = threading.Event()
     completions = [
-        Stream(srv, _completion_body(PROMPTS[i % len(PROMPTS)], MAX_TOKENS), hold=hold).start()
+        Stream(srv, completion_body(PROMPTS[i % len(PROMPTS)], MAX_TOKENS), hold=hold).start()
         for i in range(6)
     ]
     chat_body = {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
@@ -369,7 +280,7 @@ def test_two_front_ends_serve_greedy_outputs_and_stop_together(
     # SIGTERM with a stream in flight on one of the front-ends: the stream completes (the other
     # front-end's stopping does not stop the shared core), then the whole tree exits 0.
     tree = _tree(srv.pid)
-    stream = Stream(srv, _completion_body(PROMPTS[0], 32)).start()
+    stream = Stream(srv, completion_body(PROMPTS[0], 32)).start()
     _wait_first([stream])
     _sigterm_while_streaming(srv, stream)
     stream.join()
@@ -447,7 +358,7 @@ def test_data_parallel_cut_connections_free_both_cores(dp2: RemoteServer) -> Non
         http = stack.enter_context(httpx.Client(timeout=60))
         for i in range(4):
             r = stack.enter_context(
-                http.stream("POST", dp2.url("/v1/completions"), json=_completion_body(f"Story {i}:", 500))
+                http.stream("POST", dp2.url("/v1/completions"), json=completion_body(f"Story {i}:", 500))
             )
             assert r.status_code == 200
             lines = r.iter_lines()
@@ -470,7 +381,7 @@ def test_data_parallel_survives_a_killed_core(
     cores = _cores(dp2.pid)
     assert sorted(cores) == [0, 1], describe(_tree(dp2.pid))
     # Long streams (cut by the test once it has seen enough), two on each core.
-    streams = [Stream(dp2, _completion_body(f"Item {i}:", 400)).start() for i in range(4)]
+    streams = [Stream(dp2, completion_body(f"Item {i}:", 400)).start() for i in range(4)]
     try:
         _wait_first(streams)
         running = _wait_engines(
@@ -535,7 +446,7 @@ def test_killed_only_core_fails_the_stream_and_the_server_exits() -> None:
     try:
         tree = _tree(srv.pid)
         core = _cores(srv.pid)[0]
-        stream = Stream(srv, _completion_body("Count:", 300)).start()
+        stream = Stream(srv, completion_body("Count:", 300)).start()
         _wait_first([stream])
         killed = time.monotonic()
         core.kill()
@@ -687,7 +598,7 @@ def test_sigterm_lets_the_stream_finish_then_exits_0() -> None:
     with RemoteServer([*SMALL_ENGINE_ARGS, *DRAIN_ARGS]) as srv:
         tree = _tree(srv.pid)
         assert len(_cores(srv.pid)) == 1, describe(tree)
-        stream = Stream(srv, _completion_body("Once upon a time", 64)).start()
+        stream = Stream(srv, completion_body("Once upon a time", 64)).start()
         _wait_first([stream])
         _sigterm_while_streaming(srv, stream)
         stream.join()

@@ -1,11 +1,11 @@
 """Assertions comparing greedy generations with the HF reference by vLLM's rule
-(see ``pagedllm.bench.hf_reference``)."""
+(see ``pagedllm_bench.hf_reference``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.bench.hf_reference import greedy_compare, hf_greedy
+from pagedllm_bench.hf_reference import greedy_compare, hf_greedy
 
 __all__ = ["assert_greedy_close", "hf_greedy"]
 

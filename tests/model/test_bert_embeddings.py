@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, BertConfig, BertModel
 
 from pagedllm import LLM, PoolingParams
-from pagedllm.bench.embed import mixed_sentences
 from pagedllm.model.packaged import MINILM_NAMES, packaged_model_dir
+from pagedllm_bench.embed import mixed_sentences
 
 SENTENCES = [
     "Hello, world!",

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from helpers.model_factory import make_tiny_hf_model
 from helpers.spec_cases import VOCAB16, chi2_homogeneity_pvalue, generated_tokens, sampled_token_counts
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.spec import grounded_requests
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.stats import EngineStats
+from pagedllm_bench.spec import grounded_requests
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 PROMPTS = [*grounded_requests()[::4], "Once upon a time, in a small village,", "1, 2, 3, 4, 5,"]

@@ -7,11 +7,11 @@
   ``serve``, ``hf``: the sections;
 * ``summary``: the table printed at the end of a run.
 
-The measurements themselves come from :mod:`pagedllm.bench` (machine description, JSON output,
+The measurements themselves come from :mod:`pagedllm_bench` (machine description, JSON output,
 tables, timing and copy bandwidth, workloads, transformers' models and continuous batching) and the
 test suite's helpers (``tests/helpers``: paged-attention batches, their reference and tolerances;
 greedy comparisons). Importing this package puts the repository (``pagedllm`` from this checkout, no
-installation needed) and ``tests`` on ``sys.path``.
+installation needed), ``benchmarks`` (``pagedllm_bench``) and ``tests`` on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -22,5 +22,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+if str(REPO_ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(1, str(REPO_ROOT / "benchmarks"))
 if str(REPO_ROOT / "tests") not in sys.path:
     sys.path.append(str(REPO_ROOT / "tests"))

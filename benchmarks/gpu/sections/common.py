@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import write_json
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.common import write_json
+from pagedllm_bench.workloads import BenchRequest
 
 SECTIONS = (
     "kernels",

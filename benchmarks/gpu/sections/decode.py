@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import synchronize
+from pagedllm_bench.common import synchronize
 
 from .common import Settings
 from .probes import patched, sync_warnings

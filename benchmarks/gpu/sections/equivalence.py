@@ -1,5 +1,5 @@
 """``equivalence``: greedy tokens with top-5 logprobs of the engine against transformers on the same
-weights and dtype, by the logprob-close rule of :mod:`pagedllm.bench.hf_reference` (identical, or
+weights and dtype, by the logprob-close rule of :mod:`pagedllm_bench.hf_reference` (identical, or
 at the first differing token each side's token is among the other's top 5); then the engine with
 CUDA graphs against ``enforce_eager``. The text prompts are the test suite's
 (``tests/helpers/prompts.py``)."""
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from helpers.prompts import REFERENCE_PROMPTS
-from pagedllm.bench.baselines import load_hf_model
-from pagedllm.bench.common import free_device_memory
-from pagedllm.bench.hf_reference import greedy_compare, hf_greedy
+from pagedllm_bench.baselines import load_hf_model
+from pagedllm_bench.common import free_device_memory
+from pagedllm_bench.hf_reference import greedy_compare, hf_greedy
 
 from .common import Settings
 

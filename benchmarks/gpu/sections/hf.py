@@ -1,5 +1,5 @@
 """``hf``: transformers' continuous batching (the manager behind ``generate_batch``, through
-:mod:`pagedllm.bench.baselines`, with per-request ``max_new_tokens`` and EOS disabled) on the first
+:mod:`pagedllm_bench.baselines`, with per-request ``max_new_tokens`` and EOS disabled) on the first
 ``hf_requests`` requests of the workload, time-bounded, and the engine on those same requests."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.baselines import (
+from pagedllm_bench.baselines import (
     cb_config,
     generation_config,
     has_cb_manager,
     load_hf_model,
     run_continuous_batching,
 )
-from pagedllm.bench.common import free_device_memory, synchronize
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.common import free_device_memory, synchronize
+from pagedllm_bench.workloads import BenchRequest
 
 from .common import RunState
 from .throughput import engine_run

@@ -1,6 +1,6 @@
 """``moe``: a mixture-of-experts model with Qwen3-30B-A3B's layer shape (hidden 2048, 32 heads, 4 KV
 heads, head dim 128, 128 experts of width 768, 8 per token, top-k renormalised, vocabulary 151936)
-and random weights, written by transformers from a config (:func:`pagedllm.bench.moe.save_random_moe`).
+and random weights, written by transformers from a config (:func:`pagedllm_bench.moe.save_random_moe`).
 The full model has 48 layers (61 GB in bf16, more than the machine's disk); the section keeps the
 layer shape and takes ``num_layers`` of them (default 8: 11 GB), so that every per-layer figure is
 the real model's.
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import free_device_memory, synchronize
-from pagedllm.bench.moe import moe_hf_config, parameter_counts, save_random_moe
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.common import free_device_memory, synchronize
+from pagedllm_bench.moe import moe_hf_config, parameter_counts, save_random_moe
+from pagedllm_bench.workloads import BenchRequest
 
 from .hf import run_hf_continuous_batching
 from .roofline import copy_bandwidth

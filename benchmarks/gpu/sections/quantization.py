@@ -33,8 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.bench.common import free_device_memory, synchronize
-from pagedllm.bench.hf_reference import greedy_compare
 from pagedllm.model.weight_quant import (
     Fp8Linear,
     Int8Linear,
@@ -42,6 +40,8 @@ from pagedllm.model.weight_quant import (
     fp8_supported,
     quantize_activations_fp8,
 )
+from pagedllm_bench.common import free_device_memory, synchronize
+from pagedllm_bench.hf_reference import greedy_compare
 
 from .common import ModelShape, RunState
 from .decode import section_decode

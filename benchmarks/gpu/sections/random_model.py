@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.baselines import hf_dtype
-from pagedllm.bench.common import free_device_memory
+from pagedllm_bench.baselines import hf_dtype
+from pagedllm_bench.common import free_device_memory
 
 from .common import ModelShape
 

@@ -2,7 +2,7 @@
 running request) over the bandwidth of a large device copy, as a fraction of the measured forward
 and step; and the whole workload's floor against the measured run.
 
-The copy bandwidth and the matrix-product rate are timed by :mod:`pagedllm.bench.roofline` (best of
+The copy bandwidth and the matrix-product rate are timed by :mod:`pagedllm_bench.roofline` (best of
 10 calls after 2 untimed, the device synchronised around each).
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import free_device_memory
-from pagedllm.bench.roofline import best_time, measure_bandwidth
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.common import free_device_memory
+from pagedllm_bench.roofline import best_time, measure_bandwidth
+from pagedllm_bench.workloads import BenchRequest
 
 from .common import Settings
 

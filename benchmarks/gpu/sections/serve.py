@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.workloads import BenchRequest
 
 from .throughput import engine_run
 

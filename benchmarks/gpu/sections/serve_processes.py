@@ -4,7 +4,7 @@ the ``serve`` section to a load generator in this process, against that section'
 those requests: output tokens per second and their ratio, per front-end count.
 
 The section runs after the shared in-process engine has released the device, so the server's core
-has the device to itself. The client is :func:`pagedllm.bench.serve_client.run_benchmark` (the
+has the device to itself. The client is :func:`pagedllm_bench.serve_client.run_benchmark` (the
 load generator of ``pagedllm bench serve``), all requests at once. Each server's processes are
 sampled with psutil for their CPU time, so the host cost per engine step is on record next to the
 decode section's CPU share of a step.
@@ -22,7 +22,7 @@ import time
 import urllib.request
 from typing import Any
 
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.workloads import BenchRequest
 
 from .common import Settings
 
@@ -156,7 +156,7 @@ def serve_once(
     cmd: list[str], port: int, requests: list[BenchRequest], temperature: float, log_path: str
 ) -> dict[str, Any]:
     """Start one server, stream every request at once (after one warm-up request), stop it."""
-    from pagedllm.bench.serve_client import run_benchmark
+    from pagedllm_bench.serve_client import run_benchmark
 
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pagedllm.bench.common import format_table
+from pagedllm_bench.common import format_table
 from sections import quantization, swap
 
 

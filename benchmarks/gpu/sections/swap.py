@@ -1,6 +1,6 @@
 """``swap``: preemption by swapping KV to the host tier (``preemption_mode="auto"`` with a pinned
 host tier) against recompute, on the run's random-weight model with a device pool far smaller than
-the workload's KV (:func:`pagedllm.bench.swap.compare`, the ``pagedllm bench swap`` comparison).
+the workload's KV (:func:`pagedllm_bench.swap.compare`, the ``pagedllm bench swap`` comparison).
 
 Full: 64 requests at once, prompts of 512-1024 and outputs of 256-512 tokens, 1,024 device blocks
 (16,384 tokens of the ~96,000 the requests reach) and a 24 GiB host tier. The goal is auto finishing
@@ -13,9 +13,9 @@ import dataclasses
 import time
 from typing import Any
 
-from pagedllm.bench.swap import compare
-from pagedllm.bench.workloads import random_workload
 from pagedllm.config import EngineConfig
+from pagedllm_bench.swap import compare
+from pagedllm_bench.workloads import random_workload
 
 from .common import RunState
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pagedllm.bench.common import free_device_memory, synchronize
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.common import free_device_memory, synchronize
+from pagedllm_bench.workloads import BenchRequest
 
 from .common import RunState, Settings
 from .probes import patched

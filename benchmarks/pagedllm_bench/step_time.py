@@ -20,7 +20,10 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -29,9 +32,6 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ KV cache allocation and a short warm-up request are outside it, for the engine a
 alike). With baselines the engine runs again after them (``--engine-after-baselines``, on by
 default) and the mean of its two times is compared with theirs: the baselines take minutes, over
 which a shared machine's speed can drift. ``--baseline llama.cpp-python`` decodes the same workload
-with llama.cpp, through its Python binding, on the engine's GGUF file (:mod:`pagedllm.bench.llamacpp`: greedy, with the engine's
+with llama.cpp, through its Python binding, on the engine's GGUF file (:mod:`pagedllm_bench.llamacpp`: greedy, with the engine's
 ``max_num_seqs``, ``max_num_batched_tokens`` and threads). Sampling is greedy unless ``--temperature``
 is set; EOS is ignored (``--no-ignore-eos`` to honour it) so every request produces exactly its
 output length.
@@ -30,9 +30,13 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench import baselines as baselines_module
-from pagedllm.bench import llamacpp
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench import baselines as baselines_module
+from pagedllm_bench import llamacpp
+from pagedllm_bench.common import (
     add_run_args,
     distribution,
     format_table,
@@ -44,14 +48,10 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.roofline import load_roofline, measure_roofline, workload_floor
-from pagedllm.bench.workloads import BenchRequest, Workload, add_workload_args, build_workload
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.roofline import load_roofline, measure_roofline, workload_floor
+from pagedllm_bench.workloads import BenchRequest, Workload, add_workload_args, build_workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 
 @dataclass
@@ -392,7 +392,7 @@ def _run(args: argparse.Namespace) -> int:
     baseline_results: dict[str, dict[str, Any]] = {}
     if baseline_names:
         hf_model = baselines_module.load_hf_model(config.model, engine_device)
-        pad = _pad_token_id(hf_model, eos_ids)
+        pad = pad_token_id_for(hf_model, eos_ids)
         for name in baseline_names:
             try:
                 if name == "hf-static":
@@ -506,7 +506,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pad_token_id(hf_model: Any, eos_ids: list[int]) -> int:
+def pad_token_id_for(hf_model: Any, eos_ids: list[int]) -> int:
     pad = getattr(hf_model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = getattr(hf_model.config, "pad_token_id", None)

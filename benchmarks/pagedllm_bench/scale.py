@@ -1,13 +1,13 @@
 """``pagedllm bench scale``: pagedllm against native llama.cpp on one GGUF file, goal by goal.
 
 Each side runs alone, in processes of its own, one after the other, with the same thread count:
-pagedllm in :mod:`pagedllm.bench.scale_engine`, llama.cpp as its own tools
-(:mod:`pagedllm.bench.native`, built once). The goals, each a row of one table with the ratio
+pagedllm in :mod:`pagedllm_bench.scale_engine`, llama.cpp as its own tools
+(:mod:`pagedllm_bench.native`, built once). The goals, each a row of one table with the ratio
 pagedllm / llama.cpp from this run:
 
 * batch-1 decode tokens/s: 128 tokens from an empty context against ``llama-bench -n 128`` (tg128),
   and each as a share of the roofline: the read bandwidth this machine reaches
-  (:func:`pagedllm.bench.roofline.measure_read_bandwidth`) over the bytes a decode step must read
+  (:func:`pagedllm_bench.roofline.measure_read_bandwidth`) over the bytes a decode step must read
   (every weight a token's forward pass multiplies by, from the file's tensor sizes, plus the float16
   KV cache of the mean context);
 * 512-token prompt tokens/s against ``llama-bench -p 512`` (pp512);
@@ -19,7 +19,7 @@ pagedllm / llama.cpp from this run:
   ``/health`` answering, its warm-up included);
 * batch-1 decode with a busy neighbour, a process spinning on one core started by the benchmark.
 
-llama.cpp is reported at its best over its runtime variants (:data:`pagedllm.bench.native_run.VARIANTS`):
+llama.cpp is reported at its best over its runtime variants (:data:`pagedllm_bench.native_run.VARIANTS`):
 OpenMP's default waiting and ``OMP_WAIT_POLICY=passive``, with weight repacking on; repacking off
 (``--repack 0``) is tried only where every repacked variant fails (``--llama-variants all`` tries
 it always). Each figure names the variant it came from, and every variant's figure is in the JSON.
@@ -36,13 +36,13 @@ import sys
 import tempfile
 from typing import Any
 
-from pagedllm.bench.common import format_table, machine_info, now_iso, ratio, write_json
-from pagedllm.bench.native import NativeTools, ensure_tools
-from pagedllm.bench.native_run import VARIANTS, ToolError, batched_bench, best_with_fallback, llama_bench
-from pagedllm.bench.scale_engine import busy_neighbour
-from pagedllm.bench.servers import free_port, llama_server_command, process_memory, start_server, stop_server
+from pagedllm_bench.common import format_table, machine_info, now_iso, ratio, write_json
+from pagedllm_bench.native import NativeTools, ensure_tools
+from pagedllm_bench.native_run import VARIANTS, ToolError, batched_bench, best_with_fallback, llama_bench
+from pagedllm_bench.scale_engine import busy_neighbour
+from pagedllm_bench.servers import free_port, llama_server_command, process_memory, start_server, stop_server
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 BATCH_AUTO_LIMIT_BYTES = int(1.5 * 2**30)
 
@@ -89,13 +89,13 @@ def roofline_decode(sizes: dict[str, Any], read_bytes_per_s: float, decode_token
 
 
 def run_engine_side(args: argparse.Namespace, phases: list[str]) -> dict[str, Any]:
-    """The pagedllm phases in a process of their own (:mod:`pagedllm.bench.scale_engine`)."""
+    """The pagedllm phases in a process of their own (:mod:`pagedllm_bench.scale_engine`)."""
     with tempfile.TemporaryDirectory(prefix="pagedllm-scale-") as tmp:
         out = os.path.join(tmp, "engine.json")
         cmd = [
             sys.executable,
             "-m",
-            "pagedllm.bench.scale_engine",
+            "pagedllm_bench.scale_engine",
             "--model",
             args.model,
             "--threads",
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         import torch
 
-        from pagedllm.bench.roofline import measure_read_bandwidth
+        from pagedllm_bench.roofline import measure_read_bandwidth
 
         torch.set_num_threads(args.threads)
         read_bw = measure_read_bandwidth()["bytes_per_s"]

@@ -12,14 +12,14 @@ token counts come from the server's usage statistics (``stream_options.include_u
 ``continuous_usage_stats``, so every chunk carries the running count); a chunk may hold several tokens
 when they only decode to text together.
 
-The client is :mod:`pagedllm.bench.serve_client`, the metrics and the printed report
-:mod:`pagedllm.bench.serve_report`.
+The client is :mod:`pagedllm_bench.serve_client`, the metrics and the printed report
+:mod:`pagedllm_bench.serve_report`.
 
 ``--priority-mix LOW:HIGH`` measures priority scheduling (a server started with ``--scheduling-policy
 priority``): the workload has ``LOW + HIGH`` requests; the first ``LOW`` (priority 1) are sent together
 and saturate the server, and once they all stream the ``HIGH`` others (priority 0) arrive at
 ``--request-rate``. The report adds each class's TTFT and the high/low ratio of the TTFT p50 and p90
-(:mod:`pagedllm.bench.serve_priority`).
+(:mod:`pagedllm_bench.serve_priority`).
 
 ``--compare-offline`` then runs the same requests through ``LLM.generate`` in this process, with the
 engine arguments given here (they should match the server's; ``max_num_seqs`` is capped at
@@ -30,7 +30,7 @@ reports the median share; the latency report is the first pair's.
 
 ``--baseline llama-server`` starts ``pagedllm serve`` and llama.cpp's native ``llama-server`` on the
 ``--model`` GGUF file in turn, instead of measuring a running server, and drives both with this
-workload (:mod:`pagedllm.bench.serve_versus`).
+workload (:mod:`pagedllm_bench.serve_versus`).
 """
 
 from __future__ import annotations
@@ -43,18 +43,19 @@ import math
 import time
 from typing import Any
 
-from pagedllm.bench import serve_versus
-from pagedllm.bench.common import machine_info, now_iso, peak_rss_mib, set_num_threads, write_json
-from pagedllm.bench.serve_client import run_benchmark
-from pagedllm.bench.serve_dashboard import compare_with_dashboard, format_comparison
-from pagedllm.bench.serve_priority import (
+from pagedllm.config import EngineConfig
+from pagedllm_bench import serve_versus
+from pagedllm_bench.common import machine_info, now_iso, peak_rss_mib, set_num_threads, write_json
+from pagedllm_bench.serve_client import run_benchmark
+from pagedllm_bench.serve_dashboard import compare_with_dashboard, format_comparison
+from pagedllm_bench.serve_priority import (
     PriorityMix,
     parse_priority_mix,
     print_priority_report,
     priority_report,
     refusal_hint,
 )
-from pagedllm.bench.serve_report import (
+from pagedllm_bench.serve_report import (
     parse_slo,
     percent_of,
     print_report,
@@ -63,10 +64,9 @@ from pagedllm.bench.serve_report import (
     token_timeline,
     write_plots,
 )
-from pagedllm.bench.workloads import Workload, add_workload_args, build_workload
-from pagedllm.config import EngineConfig
+from pagedllm_bench.workloads import Workload, add_workload_args, build_workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 
 def load_offline(config: EngineConfig) -> Any:

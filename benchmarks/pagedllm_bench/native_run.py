@@ -1,4 +1,4 @@
-"""Running the native llama.cpp tools (:mod:`pagedllm.bench.native`) and reading their results.
+"""Running the native llama.cpp tools (:mod:`pagedllm_bench.native`) and reading their results.
 
 * :func:`llama_bench`: ``llama-bench`` (``-o json``) for one test, ``pp<N>`` (a prompt of N tokens in
   one batch) or ``tg<N>`` (N tokens generated one at a time from an empty context);
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.bench.native import NativeTools
+from pagedllm_bench.native import NativeTools
 
 
 class ToolError(RuntimeError):

@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.bench.common import distribution, format_table, ratio
-from pagedllm.bench.serve_client import RequestResult
+from pagedllm_bench.common import distribution, format_table, ratio
+from pagedllm_bench.serve_client import RequestResult
 
 LOW_PRIORITY = 1
 HIGH_PRIORITY = 0

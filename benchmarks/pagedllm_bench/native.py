@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pagedllm.utils import cache_root
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")

@@ -1,11 +1,11 @@
 """The load generator of ``pagedllm bench serve``: streamed ``/v1/completions`` requests sent to an
 OpenAI-compatible server at gamma-renewal (Poisson by default) arrival times, at most
 ``max_concurrency`` in flight, and the timing of every chunk each request received (see
-:mod:`pagedllm.bench.serve` for what is measured).
+:mod:`pagedllm_bench.serve` for what is measured).
 
 Requests may carry a ``priority`` each, and a first wave (``saturate_first`` requests) may be sent
 together before the others: the arrival process then starts once every request of the wave is
-streaming, or one of them has ended (:mod:`pagedllm.bench.serve_priority` uses both)."""
+streaming, or one of them has ended (:mod:`pagedllm_bench.serve_priority` uses both)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.bench.workloads import BenchRequest
+from pagedllm_bench.workloads import BenchRequest
 
 
 @dataclass

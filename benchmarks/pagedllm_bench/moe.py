@@ -5,7 +5,7 @@ The model is made here: a transformers Mixtral (or Qwen2-MoE / Qwen3-MoE) config
 random weights, the default model's tokenizer and vocabulary, saved as a float32 safetensors folder in
 a temporary directory. The workload is ``--num-requests`` random-token prompts of mixed lengths with
 mixed output lengths (EOS ignored, greedy). Timed in one run, alternating: the engine, transformers'
-``generate`` on padded static batches of ``--baseline-batch-size`` (:func:`pagedllm.bench.baselines.run_hf_static`),
+``generate`` on padded static batches of ``--baseline-batch-size`` (:func:`pagedllm_bench.baselines.run_hf_static`),
 the engine again; the engine's figure is the mean of its two times. Reported: output tokens/s of
 each and their ratio.
 """
@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench import baselines as baselines_module
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm_bench import baselines as baselines_module
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -34,12 +36,10 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.throughput import run_engine, with_mean_time
-from pagedllm.bench.workloads import BenchRequest, Workload
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm_bench.throughput import run_engine, with_mean_time
+from pagedllm_bench.workloads import BenchRequest, Workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -226,9 +226,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    from pagedllm.bench.throughput import _pad_token_id
     from pagedllm.model.loader import default_model_path
     from pagedllm.model.tokenizer import load_gguf_tokenizer
+    from pagedllm_bench.throughput import pad_token_id_for
 
     vocab = len(load_gguf_tokenizer(default_model_path()))
     hf_config = moe_hf_config(
@@ -273,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
             workload.requests,
             args.baseline_batch_size,
             eos_token_ids=eos_ids,
-            pad_token_id=_pad_token_id(hf_model, eos_ids),
+            pad_token_id=pad_token_id_for(hf_model, eos_ids),
             warmup=args.warmup,
         ).as_dict()
         del hf_model

@@ -1,6 +1,6 @@
 """The pagedllm side of ``pagedllm bench scale``, run in a process of its own.
 
-``python -m pagedllm.bench.scale_engine --model FILE --threads T --output-json OUT [...]`` loads the
+``python -m pagedllm_bench.scale_engine --model FILE --threads T --output-json OUT [...]`` loads the
 engine once and measures, in this order (every phase after an untimed warm-up request):
 
 * ``load``: seconds to build the engine (model read, weights prepared, KV cache allocated) and the
@@ -93,10 +93,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the phases of ``args.phases`` (see the module docstring); their results by phase."""
     import torch
 
-    from pagedllm.bench.latency import engine_latency
-    from pagedllm.bench.workloads import random_workload
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm_bench.latency import engine_latency
+    from pagedllm_bench.workloads import random_workload
 
     torch.set_num_threads(args.threads)
     phases = set(args.phases.split(","))

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import (
+from pagedllm.model.config import ModelConfig
+from pagedllm_bench.common import (
     format_table,
     machine_info,
     now_iso,
@@ -40,10 +41,9 @@ from pagedllm.bench.common import (
     synchronize,
     write_json,
 )
-from pagedllm.bench.workloads import Workload
-from pagedllm.model.config import ModelConfig
+from pagedllm_bench.workloads import Workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -14,7 +14,7 @@ llama.cpp's converter writes a model (the llama architecture's q/k rows in its o
   the embedding, norms of one. Activations stay finite and the logits are of order one.
 
 The float16 file is written tensor by tensor (one tensor in memory at a time: an 8B-shaped file is
-15 GiB), then quantized by the native ``llama-quantize`` (:mod:`pagedllm.bench.native`), so the blocks
+15 GiB), then quantized by the native ``llama-quantize`` (:mod:`pagedllm_bench.native`), so the blocks
 are exactly those llama.cpp users have. Files are cached by (shape, quantization, seed) in
 ``<cache root>/models/random/`` and published atomically (written under a temporary name, then
 renamed); the float16 intermediate is removed after quantizing unless ``--keep-f16``.
@@ -36,7 +36,7 @@ import numpy as np
 
 from pagedllm.utils import cache_root
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 QUANTS = ("F16", "Q8_0", "Q4_0", "Q4_K_M")
 CONTEXT_LENGTH = 8192
@@ -216,8 +216,8 @@ def make_model(
         )
     if quant == "F16":
         return f16
-    from pagedllm.bench.native import ensure_tools
-    from pagedllm.bench.native_run import run_tool
+    from pagedllm_bench.native import ensure_tools
+    from pagedllm_bench.native_run import run_tool
 
     tools = ensure_tools()
     start = time.perf_counter()

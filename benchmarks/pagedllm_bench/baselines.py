@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import synchronize
-from pagedllm.bench.workloads import BenchRequest
 from pagedllm.model.loader import resolve_model_path
+from pagedllm_bench.common import synchronize
+from pagedllm_bench.workloads import BenchRequest
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 BASELINES = ("hf-static", "hf-cb")
 

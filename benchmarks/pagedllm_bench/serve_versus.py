@@ -2,10 +2,10 @@
 
 The benchmark starts each server itself on the same GGUF file with the same thread count, one after
 the other (never both at once): ``pagedllm serve`` (``--max-num-seqs`` = ``--parallel``, torch's threads
-through ``OMP_NUM_THREADS``), then the native ``llama-server`` (:mod:`pagedllm.bench.native`;
+through ``OMP_NUM_THREADS``), then the native ``llama-server`` (:mod:`pagedllm_bench.native`;
 ``-np`` = ``--parallel`` slots of continuous batching, each slot's context holding the workload's
 longest request). Each is driven by the same streaming client
-(:func:`pagedllm.bench.serve_client.run_benchmark`) on the same requests, arrival process and
+(:func:`pagedllm_bench.serve_client.run_benchmark`) on the same requests, arrival process and
 concurrency, then stopped. Reported per server: time until ready (start to ``/health`` answering
 200, loading and warm-up included), output and total tokens/s, TTFT p50/p90, TPOT p50, the resident
 memory of the server's processes after the run, and the ratios pagedllm / llama-server.
@@ -20,12 +20,12 @@ import math
 import os
 from typing import Any
 
-from pagedllm.bench.common import format_table, machine_info, now_iso, ratio, write_json
-from pagedllm.bench.native import ensure_tools
-from pagedllm.bench.native_run import Variant
-from pagedllm.bench.serve_client import run_benchmark
-from pagedllm.bench.serve_report import summarize
-from pagedllm.bench.servers import (
+from pagedllm_bench.common import format_table, machine_info, now_iso, ratio, write_json
+from pagedllm_bench.native import ensure_tools
+from pagedllm_bench.native_run import Variant
+from pagedllm_bench.serve_client import run_benchmark
+from pagedllm_bench.serve_report import summarize
+from pagedllm_bench.servers import (
     free_port,
     llama_server_command,
     pagedllm_server_command,
@@ -34,9 +34,9 @@ from pagedllm.bench.servers import (
     stop_server,
     thread_env,
 )
-from pagedllm.bench.workloads import Workload
+from pagedllm_bench.workloads import Workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 BASELINES = ("llama-server",)
 SERVED_NAME = "model"

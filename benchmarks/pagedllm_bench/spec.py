@@ -29,7 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.engine_checks import check_speculative
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.draft_model import read_draft_config
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -39,13 +44,8 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.config import EngineConfig
-from pagedllm.engine.engine_checks import check_speculative
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.draft_model import read_draft_config
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 TEXT = Path(__file__).resolve().parent / "texts" / "us_constitution.txt"
 DEFAULT_SPEC = (

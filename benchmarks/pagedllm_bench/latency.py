@@ -34,8 +34,11 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench import llamacpp
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench import llamacpp
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -46,13 +49,10 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.llamacpp import LatencySample
-from pagedllm.bench.workloads import random_workload
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.llamacpp import LatencySample
+from pagedllm_bench.workloads import random_workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 
 def engine_latency(engine: LLMEngine, prompt: list[int], output_len: int, request_id: str) -> LatencySample:
@@ -264,8 +264,8 @@ def native_latency(path: str, threads: int, args: argparse.Namespace) -> dict[st
     """``--baseline llama.cpp``: the native ``llama-bench`` (built once) on the same file and threads,
     ``-p input_len`` and ``-n output_len`` (its generation starts from an empty context, not after the
     prompt), each at its best over llama.cpp's runtime variants; the mean of ``--repeats`` runs."""
-    from pagedllm.bench.native import ensure_tools
-    from pagedllm.bench.native_run import best_with_fallback, llama_bench
+    from pagedllm_bench.native import ensure_tools
+    from pagedllm_bench.native_run import best_with_fallback, llama_bench
 
     tools = ensure_tools()
 

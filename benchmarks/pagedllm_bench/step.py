@@ -16,8 +16,8 @@ import random
 import time
 from typing import Any
 
-from pagedllm.bench.common import format_table, machine_info, now_iso, set_num_threads, write_json
 from pagedllm.config import EngineConfig
+from pagedllm_bench.common import format_table, machine_info, now_iso, set_num_threads, write_json
 
 logger = logging.getLogger(__name__)
 

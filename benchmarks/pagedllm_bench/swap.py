@@ -17,7 +17,11 @@ import logging
 import time
 from typing import Any
 
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.model.loader import load_model_tokenizer
+from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -27,11 +31,7 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.workloads import Workload, parse_range, random_workload
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.model.loader import load_model_tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.workloads import Workload, parse_range, random_workload
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """llama.cpp baselines on a GGUF file, through llama-cpp-python's low-level API (``--baseline
 llama.cpp-python``).
 
-``--baseline llama.cpp`` names llama.cpp's own native tools (:mod:`pagedllm.bench.native`), which run
+``--baseline llama.cpp`` names llama.cpp's own native tools (:mod:`pagedllm_bench.native`), which run
 their own workloads: ``pagedllm bench scale`` and ``pagedllm bench serve --baseline llama-server``
 compare with them; the commands here refuse that name and say so.
 
-llama-cpp-python is a benchmark-only extra (``pip install 'pagedllm[llamacpp]'``): it is imported on
+llama-cpp-python is a benchmark-only extra (``pip install 'pagedllm-bench[llamacpp]'``): it is imported on
 first use, never by the engine or the tests. Everything runs on the CPU (no layer offloaded) with
 ``threads`` threads for both prompt processing and generation, the same count as the engine's torch
 threads. Three measurements:
@@ -37,16 +37,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.bench.baselines import BASELINES, BaselineResult
-from pagedllm.bench.workloads import BenchRequest
 from pagedllm.model.loader import resolve_model_path
+from pagedllm_bench.baselines import BASELINES, BaselineResult
+from pagedllm_bench.workloads import BenchRequest
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 NAME = "llama.cpp-python"
 # The native tools' name, refused by the commands that run llama.cpp through the binding.
 NATIVE_NAME = "llama.cpp"
-INSTALL_HINT = "install the llamacpp extra: pip install 'pagedllm[llamacpp]'"
+INSTALL_HINT = "install the llamacpp extra: pip install 'pagedllm-bench[llamacpp]'"
 # llama.cpp's LLAMA_MAX_SEQ: the most sequence ids a context may have.
 MAX_SEQUENCES = 256
 # llama.cpp's default physical batch (n_ubatch) and logical batch (n_batch).
@@ -87,7 +87,7 @@ def native_refusal(command: str) -> str:
 
 def split_baselines(text: str | None) -> tuple[str | None, bool]:
     """Take ``llama.cpp-python`` out of ``pagedllm bench throughput``'s ``--baseline`` list: (the other names,
-    comma-separated, for :func:`pagedllm.bench.baselines.parse_baselines`; whether it was named).
+    comma-separated, for :func:`pagedllm_bench.baselines.parse_baselines`; whether it was named).
     ValueError names an unknown entry."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     if NATIVE_NAME in names:
@@ -425,7 +425,7 @@ def throughput_baseline(
     threads: int | None = None,
 ) -> dict[str, Any]:
     """``pagedllm bench throughput``'s llama.cpp baseline on exactly the benchmark's workload: a
-    :class:`~pagedllm.bench.baselines.BaselineResult` as a dict, or ``{"name", "error"}``.
+    :class:`~pagedllm_bench.baselines.BaselineResult` as a dict, or ``{"name", "error"}``.
 
     ``threads`` defaults to torch's thread count (the engine's); requests stop at a token of
     ``eos_token_ids`` when given (None: EOS ignored). Model loading, context creation and a short

@@ -6,7 +6,7 @@ turn, on the engine with one rank and ``--num-threads`` torch threads (default: 
 the engine split over ``--tensor-parallel-size`` x ``--pipeline-parallel-size`` ranks (on a CPU the
 executor gives each rank ``cpu_count // ranks`` threads, so both systems use the same cores), then on
 one rank again. Each engine is built, warmed up, timed and shut down before the next is built; the
-single rank's figure is the mean of its two times (:func:`pagedllm.bench.throughput.with_mean_time`).
+single rank's figure is the mean of its two times (:func:`pagedllm_bench.throughput.with_mean_time`).
 With neither size given, two ranks: tensor parallel 2 when the model splits that way, else pipeline
 parallel 2 (the default model's 9 attention heads do not split in two).
 
@@ -39,19 +39,6 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import (
-    add_run_args,
-    format_table,
-    machine_info,
-    now_iso,
-    peak_rss_mib,
-    ratio,
-    run_at_log_level,
-    set_num_threads,
-    write_json,
-)
-from pagedllm.bench.throughput import EngineRun, run_engine, with_mean_time
-from pagedllm.bench.workloads import Workload, add_workload_args, build_workload
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.placement import RankPlacement, weight_selection
 from pagedllm.engine.llm_engine import LLMEngine
@@ -65,8 +52,21 @@ from pagedllm.worker.parallel_executor import (
     placement_of,
     read_model_config,
 )
+from pagedllm_bench.common import (
+    add_run_args,
+    format_table,
+    machine_info,
+    now_iso,
+    peak_rss_mib,
+    ratio,
+    run_at_log_level,
+    set_num_threads,
+    write_json,
+)
+from pagedllm_bench.throughput import EngineRun, run_engine, with_mean_time
+from pagedllm_bench.workloads import Workload, add_workload_args, build_workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 # The throughput goal: the parallel ranks' output tok/s over the single rank's.
 THROUGHPUT_GOAL = 0.8

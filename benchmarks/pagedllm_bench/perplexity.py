@@ -40,8 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.bench import llamacpp
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import PromptLogprobs
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm_bench import llamacpp
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -51,12 +55,8 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import PromptLogprobs
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "texts" / "us_constitution.txt"
 

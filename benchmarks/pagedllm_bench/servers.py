@@ -19,8 +19,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from pagedllm.bench.native import NativeTools
-from pagedllm.bench.native_run import Variant
+from pagedllm_bench.native import NativeTools
+from pagedllm_bench.native_run import Variant
 
 
 @dataclass

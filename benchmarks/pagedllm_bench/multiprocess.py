@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm_bench.common import (
     add_run_args,
     machine_info,
     now_iso,
@@ -26,10 +27,9 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.workloads import Workload, add_workload_args, build_workload
-from pagedllm.config import EngineConfig
+from pagedllm_bench.workloads import Workload, add_workload_args, build_workload
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 
 @dataclass

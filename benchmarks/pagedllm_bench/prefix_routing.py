@@ -60,7 +60,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.engine.stats import EngineStats
+from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -70,16 +73,13 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.hf_reference import greedy_compare
-from pagedllm.bench.workloads import BenchRequest, Workload, _random_ids, _token_pool
-from pagedllm.config import EngineConfig
-from pagedllm.engine.stats import EngineStats
-from pagedllm.sampling_params import SamplingParams
+from pagedllm_bench.hf_reference import greedy_compare
+from pagedllm_bench.workloads import BenchRequest, Workload, random_ids, token_pool
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 # Goals: prefix routing's hit rate over one core's, and over round-robin's.
 GOAL_VS_ONE_CORE = 0.90
@@ -129,10 +129,10 @@ def grouped_workload(
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
     rng = random.Random(seed)
-    pool = _token_pool(vocab_size, exclude_token_ids)
-    systems = [_random_ids(rng, system_len, pool) for _ in range(groups)]
+    pool = token_pool(vocab_size, exclude_token_ids)
+    systems = [random_ids(rng, system_len, pool) for _ in range(groups)]
     tagged = [
-        (g, BenchRequest(systems[g] + _random_ids(rng, user_len, pool), output_len))
+        (g, BenchRequest(systems[g] + random_ids(rng, user_len, pool), output_len))
         for g in range(groups)
         for _ in range(per_group)
     ]

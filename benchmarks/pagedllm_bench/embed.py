@@ -31,7 +31,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedllm.bench.common import (
+from pagedllm.config import EngineConfig
+from pagedllm.model.packaged import MINILM_NAMES
+from pagedllm.model.pooling import PoolingConfig
+from pagedllm.worker.encoder_executor import EncoderExecutor
+from pagedllm_bench.common import (
     add_run_args,
     format_table,
     machine_info,
@@ -41,13 +45,9 @@ from pagedllm.bench.common import (
     set_num_threads,
     write_json,
 )
-from pagedllm.bench.latency import CpuUse
-from pagedllm.config import EngineConfig
-from pagedllm.model.packaged import MINILM_NAMES
-from pagedllm.model.pooling import PoolingConfig
-from pagedllm.worker.encoder_executor import EncoderExecutor
+from pagedllm_bench.latency import CpuUse
 
-logger = logging.getLogger("pagedllm.bench")
+logger = logging.getLogger("pagedllm_bench")
 
 TEXT = Path(__file__).resolve().parent / "texts" / "us_constitution.txt"
 BASELINE = "transformers"

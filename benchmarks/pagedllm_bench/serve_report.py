@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.bench.common import distribution, format_table, ratio
-from pagedllm.bench.serve_client import RequestResult
+from pagedllm_bench.common import distribution, format_table, ratio
+from pagedllm_bench.serve_client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -87,11 +87,11 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _random_ids(rng: random.Random, n: int, vocab: Sequence[int]) -> list[int]:
+def random_ids(rng: random.Random, n: int, vocab: Sequence[int]) -> list[int]:
     return [vocab[rng.randrange(len(vocab))] for _ in range(n)]
 
 
-def _token_pool(vocab_size: int, exclude: Iterable[int]) -> list[int]:
+def token_pool(vocab_size: int, exclude: Iterable[int]) -> list[int]:
     excluded = set(exclude)
     pool = [t for t in range(vocab_size) if t not in excluded]
     if not pool:
@@ -109,12 +109,12 @@ def random_workload(
 ) -> Workload:
     """Prompts of uniformly random token ids (``exclude_token_ids``, e.g. EOS/BOS, never appear)."""
     rng = random.Random(seed)
-    pool = _token_pool(vocab_size, exclude_token_ids)
+    pool = token_pool(vocab_size, exclude_token_ids)
     requests = []
     for _ in range(num_prompts):
         n_in = rng.randint(*input_len)
         n_out = rng.randint(*output_len)
-        requests.append(BenchRequest(_random_ids(rng, n_in, pool), n_out))
+        requests.append(BenchRequest(random_ids(rng, n_in, pool), n_out))
     return Workload(
         "random",
         requests,
@@ -133,11 +133,11 @@ def prefix_workload(
 ) -> Workload:
     """Requests sharing one random ``prefix_len``-token prompt, each with its own random suffix."""
     rng = random.Random(seed)
-    pool = _token_pool(vocab_size, exclude_token_ids)
-    prefix = _random_ids(rng, prefix_len, pool)
+    pool = token_pool(vocab_size, exclude_token_ids)
+    prefix = random_ids(rng, prefix_len, pool)
     requests = []
     for _ in range(num_prompts):
-        suffix = _random_ids(rng, rng.randint(*suffix_len), pool)
+        suffix = random_ids(rng, rng.randint(*suffix_len), pool)
         requests.append(BenchRequest(prefix + suffix, rng.randint(*output_len)))
     return Workload(
         "prefix",

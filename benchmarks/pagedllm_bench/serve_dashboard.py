@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from pagedllm.bench.serve_report import summarize
+from pagedllm_bench.serve_report import summarize
 
 
 @dataclass
