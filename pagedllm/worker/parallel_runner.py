@@ -36,6 +36,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -301,8 +302,12 @@ class ParallelModelRunner(ModelRunner):
         self._last_forward = self._run_forward(step, micro_batches, None, inputs.meta)
         return self._returned.pop(self._last_forward).take()
 
-    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-        """Logits of rows of the hidden states :meth:`_eager_forward` returned."""
+    def logits_of(
+        self, hidden: torch.Tensor, rows: torch.Tensor | slice, prompt: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """Logits of rows of the hidden states :meth:`_eager_forward` returned. (A rank's quantized
+        products run every row on the integer kernels: the step's prompt rows, ``prompt``, are not
+        sent to the other ranks, so the LM head does not take the AMX tiles either.)"""
         if isinstance(rows, slice):
             rows = torch.arange(rows.start, rows.stop, dtype=torch.int64)
         return self._logits(self._last_forward, rows.cpu(), hidden.index_select(0, rows.to(hidden.device)))
