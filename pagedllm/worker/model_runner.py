@@ -282,6 +282,13 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=host.query_lens,
             seq_lens_cpu=seq_lens,
+            single_prompt_seqs=tuple(
+                i
+                for i, (ql, start) in enumerate(
+                    zip(host.query_lens, host.query_start_loc.tolist(), strict=False)
+                )
+                if ql == 1 and host.prompt_rows[start]
+            ),
         )
         input_ids = to_device(torch.from_numpy(host.token_ids), dev)
         self._fill_pending_tokens(scheduler_output, input_ids, host.query_start_loc[1:] - 1)

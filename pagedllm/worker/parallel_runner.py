@@ -239,6 +239,10 @@ class ParallelModelRunner(ModelRunner):
         row) to the first stage; returns the step's forward number."""
         number = self._forwards
         self._forwards += 1
+        if meta is not None and meta.single_prompt_seqs:
+            # The other ranks rebuild the metadata from the step's tensors, without the prompt
+            # tokens alone in their chunks: every rank attends them as decodes.
+            meta = dataclasses.replace(meta, single_prompt_seqs=())
         p = self.placement
         last_stage_rank = p.stage_ranks(p.pp_size - 1)[p.tp_rank]
         hidden = self._stage_forward(step, micro_batches, meta)

@@ -56,23 +56,26 @@ def test_prompt_rows_are_the_same_bits_in_any_step(
     alone = result(default_llm.generate([PROMPT], WITH_PROMPT_LOGPROBS, use_tqdm=False)[0])
     assert (len(PROMPT), True) in products  # the prompt in one product on the tiles
     assert alone[2] is not None and len(alone[2]) == len(PROMPT)
-    cached_ref = result(default_llm.generate([PROMPT], CACHEABLE, use_tqdm=False)[0])  # fills the cache
-    assert cached_ref[:2] == alone[:2]
+    short = PROMPT[:33]
+    short_alone = result(default_llm.generate([short], WITH_PROMPT_LOGPROBS, use_tqdm=False)[0])
 
-    # Chunks of 8 (8, 8, 8, 8, 2).
-    chunked_llm = make_llm(max_num_batched_tokens=8, enable_prefix_caching=False, num_kv_blocks=64)
+    # Chunks of 11: 11, 11, 11 and the last prompt token alone, still on the tiles and attended as
+    # a prompt chunk.
+    chunked_llm = make_llm(max_num_batched_tokens=11, enable_prefix_caching=False, num_kv_blocks=64)
     products.clear()
     chunked = result(chunked_llm.generate([PROMPT], WITH_PROMPT_LOGPROBS, use_tqdm=False)[0])
-    assert (8, True) in products and (2, True) in products and (1, False) in products
+    assert (11, True) in products and (1, True) in products and (1, False) in products
     assert chunked == alone, "chunked prefill"
     chunked_llm.llm_engine.check_idle()
 
-    # A prefix-cache hit: 32 tokens cached, the last two recomputed.
-    products.clear()
-    out = default_llm.generate([PROMPT], CACHEABLE, use_tqdm=False)[0]
-    assert out.num_cached_tokens == 32
-    assert products[0] == (2, True)
-    assert result(out)[:2] == alone[:2], "after a prefix-cache hit"
+    # Prefix-cache hits of 32 tokens (the blocks the runs above registered), leaving two prompt
+    # tokens to compute, then one (not run by the native decode layers, which take decode rows only).
+    for prompt, expected in ((PROMPT, alone), (short, short_alone)):
+        products.clear()
+        out = default_llm.generate([prompt], CACHEABLE, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 32
+        assert products[0] == (len(prompt) - 32, True)
+        assert result(out)[:2] == expected[:2], f"after a prefix-cache hit, {len(prompt) - 32} left"
 
     # Admitted while two other requests decode: its prompt rows share steps with their decode rows.
     default_llm.llm_engine.reset_prefix_cache()
