@@ -8,8 +8,9 @@ Q4_K_M's mix (Q4_K; Q6_K for the embedding, which is also the LM head, and for e
 tokens are meaningless.
 
 A prompt of ``--prompt-len`` random tokens is run with one output token (prefix caching off, so that
-every run computes the whole prompt), alternately with the AMX path allowed and with the integer
-kernels only (``AMX_MIN_ROWS`` raised past the prompt), ``--runs`` times each; prints the best
+every run computes the whole prompt), alternately as by default (prompt tokens on the AMX tiles
+where the CPU has them) and with ``PAGEDLLM_CPU_AMX=0`` (the integer kernels only; the variable is
+read at every step, so one process runs both), ``--runs`` times each; prints the best
 time of each, the ratio, the start-up memory split and the resident set after the runs, and with
 ``--profile`` where one AMX prompt spends its time (cProfile, by function).
 
@@ -127,19 +128,22 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = [1, *torch.randint(3, 40000, (args.prompt_len - 1,), generator=gen).tolist()]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    saved = dict(quant.AMX_MIN_ROWS)
+    saved = os.environ.get(quant.AMX_ENV)
     best = {"amx": float("inf"), "int": float("inf")}
     for run in range(args.runs + 1):  # the first pair warms up
         for mode in ("amx", "int"):
-            quant.AMX_MIN_ROWS.update(saved if mode == "amx" else dict.fromkeys(saved, 1 << 30))
+            os.environ[quant.AMX_ENV] = "1" if mode == "amx" else "0"
             start = time.perf_counter()
             llm.generate([prompt], params, use_tqdm=False)
             if run:
                 best[mode] = min(best[mode], time.perf_counter() - start)
-    quant.AMX_MIN_ROWS.update(saved)
+    if saved is None:
+        del os.environ[quant.AMX_ENV]
+    else:
+        os.environ[quant.AMX_ENV] = saved
     n = args.prompt_len
-    print(f"AMX path allowed: {best['amx']:.3f} s, {n / best['amx']:.1f} tok/s")
-    print(f"integer kernels:  {best['int']:.3f} s, {n / best['int']:.1f} tok/s")
+    print(f"default (AMX tiles: {quant.amx_available()}): {best['amx']:.3f} s, {n / best['amx']:.1f} tok/s")
+    print(f"{quant.AMX_ENV}=0 (integer kernels): {best['int']:.3f} s, {n / best['int']:.1f} tok/s")
     print(f"ratio: {best['int'] / best['amx']:.2f}x; {resident_mib()} (isa: {quant.kernel_isa()})")
     if args.profile:
         profile = cProfile.Profile()

@@ -8,8 +8,9 @@ in each block type (random valid blocks), at several row counts, times
 * ``amx``: the same with ``amx=True`` (a panel of the weight dequantized to bfloat16 per thread, then
   AMX tile products);
 
-in one process, alternating, and prints the best time of each, the GFLOP/s and the ratio. The row
-threshold :data:`~pagedllm.kernels.cpu.quant.AMX_MIN_ROWS` was chosen from this table.
+in one process, alternating, and prints the best time of each, the GFLOP/s and the ratio. (The engine
+takes the tiles for prompt tokens and the integer kernels for every other row, whatever the row
+count: :mod:`pagedllm.kernels.cpu.row_paths`.)
 
 Usage: ``python benchmarks/quant_amx.py [--threads 2] [--rows 8 16 24 32 48 64 512] [--types Q4_K Q6_K]
 [--cpu-time]``

@@ -218,8 +218,11 @@ class TorchAttentionBackend:
         starts = [0]
         for ql in qlens:
             starts.append(starts[-1] + ql)
-        decodes = [i for i, q in enumerate(qlens) if q == 1]
-        prefills = [i for i, q in enumerate(qlens) if q > 1]
+        # A prompt token alone in its chunk is attended as a chunk, not as a decode: the two paths
+        # round differently, and a prompt token must give the same bits in a chunk of any length.
+        chunks = set(meta.single_prompt_seqs)
+        decodes = [i for i, q in enumerate(qlens) if q == 1 and i not in chunks]
+        prefills = [i for i, q in enumerate(qlens) if q > 1 or i in chunks]
         return BatchPlan(
             starts=starts,
             decodes=self.plan_decodes(meta, decodes, starts, device) if decodes else None,

@@ -8,7 +8,10 @@ A batch is a flat list of ``num_tokens`` query tokens from ``B`` requests. Reque
 rows ``query_start_loc[i]:query_start_loc[i+1]`` and has ``seq_lens[i]`` tokens of context in
 total, including its new tokens; so its new tokens sit at positions
 ``seq_lens[i] - query_len_i ... seq_lens[i] - 1`` and attend causally to every earlier position
-(cached prefix, earlier chunks, and earlier new tokens). A decode is a request with query_len 1.
+(cached prefix, earlier chunks, and earlier new tokens). A decode is a request with query_len 1,
+unless ``single_prompt_seqs`` lists it: its one new token is a prompt token (a chunk's last token, a
+prefix-cache hit that left one), attended as a prompt chunk so that it rounds as it would in a
+longer chunk.
 The K/V of the new tokens are written at ``slot_mapping`` before attention reads them.
 """
 
@@ -30,6 +33,8 @@ class AttentionMetadata:
     # Host-side copies, so backends never need a device sync to read them.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Requests of query_len 1 whose token is a prompt token: attended by the prompt-chunk path.
+    single_prompt_seqs: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

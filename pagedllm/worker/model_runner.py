@@ -15,6 +15,7 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.kernels.cpu.library import cpu_flags
 from pagedllm.kernels.cpu.linear import optimize_cpu_linears
 from pagedllm.kernels.cpu.quant import QuantizedWeight
+from pagedllm.kernels.cpu.row_paths import prompt_rows
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.layers import RotaryEmbedding
@@ -69,6 +70,9 @@ class BatchInputs:
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sample_rows: list[int]  # indices into scheduler_output.scheduled_requests of the sampled requests
     row_starts: list[int]  # first flat-batch row of each scheduled request
+    # Per flat-batch row: a prompt token (its position below its request's prompt length), whose
+    # quantized products take the AMX tiles where they run; None where the rows are not known.
+    prompt_rows: np.ndarray | None = None
 
 
 @dataclass
@@ -278,6 +282,13 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=host.query_lens,
             seq_lens_cpu=seq_lens,
+            single_prompt_seqs=tuple(
+                i
+                for i, (ql, start) in enumerate(
+                    zip(host.query_lens, host.query_start_loc.tolist(), strict=False)
+                )
+                if ql == 1 and host.prompt_rows[start]
+            ),
         )
         input_ids = to_device(torch.from_numpy(host.token_ids), dev)
         self._fill_pending_tokens(scheduler_output, input_ids, host.query_start_loc[1:] - 1)
@@ -288,6 +299,7 @@ class ModelRunner:
             logits_indices=to_device(torch.tensor(host.logits_indices, dtype=torch.int64), dev),
             sample_rows=host.sample_rows,
             row_starts=host.query_start_loc[:-1].tolist(),
+            prompt_rows=host.prompt_rows,
         )
 
     def _fill_pending_tokens(
@@ -361,14 +373,27 @@ class ModelRunner:
     def _eager_forward(self, inputs: BatchInputs) -> torch.Tensor:
         """Hidden states of every row of the step, after the final norm (no CUDA graph)."""
         assert self.kv_cache is not None, "KV cache not allocated"
-        if self.native_decode is not None and inputs.meta.is_decode_only:
+        mask = inputs.prompt_rows
+        if self.native_decode is not None and inputs.meta.is_decode_only and (mask is None or not mask.any()):
+            # (the native layers run every row on the integer kernels: decode rows only)
             return self.native_decode(inputs.input_ids, inputs.positions, inputs.meta)
         ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
-        return self.model(inputs.input_ids, inputs.positions, ctx)
+        if mask is None:
+            return self.model(inputs.input_ids, inputs.positions, ctx)
+        with prompt_rows(mask):
+            return self.model(inputs.input_ids, inputs.positions, ctx)
 
-    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-        """float32 logits ``[rows, vocab]`` of ``hidden[rows]``, the step's hidden states."""
-        return self.model.compute_logits(hidden[rows])
+    def logits_of(
+        self, hidden: torch.Tensor, rows: torch.Tensor | slice, prompt: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """float32 logits ``[rows, vocab]`` of ``hidden[rows]``, the step's hidden states; ``prompt``
+        (the step's :attr:`BatchInputs.prompt_rows`) sends the LM head's prompt rows to the AMX tiles
+        as the forward sent them."""
+        if prompt is None:
+            return self.model.compute_logits(hidden[rows])
+        selected = prompt[rows] if isinstance(rows, slice) else prompt[rows.cpu().numpy()]
+        with prompt_rows(selected):
+            return self.model.compute_logits(hidden[rows])
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor
@@ -395,17 +420,26 @@ class ModelRunner:
             for lo in range(first, last, PROMPT_LOGPROBS_POSITIONS):
                 hi = min(lo + PROMPT_LOGPROBS_POSITIONS, last)
                 entries += self._prompt_logprobs_slice(
-                    hidden, slice(base + lo, base + hi), req.prompt_token_ids[lo + 1 : hi + 1], k
+                    hidden,
+                    slice(base + lo, base + hi),
+                    req.prompt_token_ids[lo + 1 : hi + 1],
+                    k,
+                    inputs.prompt_rows,
                 )
             found[req.request_id] = (first, entries)
         return found
 
     def _prompt_logprobs_slice(
-        self, hidden: torch.Tensor, rows: slice, targets_list: list[int], k: int
+        self,
+        hidden: torch.Tensor,
+        rows: slice,
+        targets_list: list[int],
+        k: int,
+        prompt: np.ndarray | None,
     ) -> list[dict[int, Logprob] | None]:
         """Logprob entries of ``targets_list`` (the prompt tokens that ``hidden[rows]``'s positions
         predict)."""
-        logits = self.logits_of(hidden, rows)
+        logits = self.logits_of(hidden, rows, prompt)
         logprobs = torch.log_softmax(logits, dim=-1)
         del logits
         targets = torch.tensor(targets_list, device=logprobs.device)
@@ -545,7 +579,7 @@ class ModelRunner:
             return RunnerOutput([], None, prompt_logprobs)
         started = time.perf_counter()
         if logits is None:
-            logits = self.logits_of(hidden, inputs.logits_indices)
+            logits = self.logits_of(hidden, inputs.logits_indices, inputs.prompt_rows)
         sampling = time.perf_counter()
         times.forward += sampling - started
         scheduled = scheduler_output.scheduled_requests

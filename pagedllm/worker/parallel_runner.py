@@ -36,6 +36,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -238,6 +239,10 @@ class ParallelModelRunner(ModelRunner):
         row) to the first stage; returns the step's forward number."""
         number = self._forwards
         self._forwards += 1
+        if meta is not None and meta.single_prompt_seqs:
+            # The other ranks rebuild the metadata from the step's tensors, without the prompt
+            # tokens alone in their chunks: every rank attends them as decodes.
+            meta = dataclasses.replace(meta, single_prompt_seqs=())
         p = self.placement
         last_stage_rank = p.stage_ranks(p.pp_size - 1)[p.tp_rank]
         hidden = self._stage_forward(step, micro_batches, meta)
@@ -301,8 +306,12 @@ class ParallelModelRunner(ModelRunner):
         self._last_forward = self._run_forward(step, micro_batches, None, inputs.meta)
         return self._returned.pop(self._last_forward).take()
 
-    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-        """Logits of rows of the hidden states :meth:`_eager_forward` returned."""
+    def logits_of(
+        self, hidden: torch.Tensor, rows: torch.Tensor | slice, prompt: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """Logits of rows of the hidden states :meth:`_eager_forward` returned. (A rank's quantized
+        products run every row on the integer kernels: the step's prompt rows, ``prompt``, are not
+        sent to the other ranks, so the LM head does not take the AMX tiles either.)"""
         if isinstance(rows, slice):
             rows = torch.arange(rows.start, rows.stop, dtype=torch.int64)
         return self._logits(self._last_forward, rows.cpu(), hidden.index_select(0, rows.to(hidden.device)))

@@ -14,7 +14,7 @@ a request keeps a row, maintained from the step's ``dropped_tables`` and ``block
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,8 @@ class HostStepInputs:
     # Flat rows whose logits are sampled: each sampling request's last token, and before it, for a
     # request verifying draft tokens, its last known token and every draft but the last.
     logits_indices: list[int]
+    # Per row: whether it computes a prompt token (see :func:`prompt_row_mask`); False for padding.
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @property
     def seq_lens_list(self) -> list[int]:
@@ -72,16 +74,19 @@ class StepInputBuilder:
         rows = tables.rows([r.request_id for r in requests])
         sample_rows = scheduler_output.sample_rows
         if all(s.num_tokens == 1 for s in scheduled):
-            return self._decode(requests, rows, sample_rows, padded_rows, out)
-        if (
+            host = self._decode(requests, rows, sample_rows, padded_rows, out)
+        elif (
             all(s.num_tokens == 1 + len(s.draft_token_ids) for s in scheduled)
             and padded_rows is None
             and out is None
         ):
-            return self._verify(scheduler_output, rows, sample_rows)
-        if padded_rows is not None or out is not None:
+            host = self._verify(scheduler_output, rows, sample_rows)
+        elif padded_rows is not None or out is not None:
             raise ValueError("only decode-only steps are padded into staging buffers.")
-        return self._mixed(scheduler_output, rows, sample_rows)
+        else:
+            host = self._mixed(scheduler_output, rows, sample_rows)
+        host.prompt_rows = prompt_row_mask(scheduler_output, host.positions)
+        return host
 
     def _decode(
         self,
@@ -214,6 +219,24 @@ class StepInputBuilder:
             sample_rows=sample_rows,
             logits_indices=logits_indices,
         )
+
+
+def prompt_row_mask(scheduler_output: SchedulerOutput, positions: np.ndarray) -> np.ndarray:
+    """Per row of a step laid out by :class:`StepInputBuilder` (each scheduled request's
+    ``num_tokens`` rows in order, in every layout, then any padding): whether it computes a prompt
+    token, i.e. its position is below its request's prompt length.
+
+    The quantized products take the AMX tiles for prompt rows and the integer kernels for the others
+    (:mod:`pagedllm.kernels.cpu.row_paths`), so a token's kind, and with it its rounding, depends on
+    the token alone: a prompt token in a chunk of one row, after a prefix-cache hit or recomputed
+    after preemption is a prompt row; an output token (decoded, a draft verified, or recomputed after
+    preemption) never is."""
+    scheduled = scheduler_output.scheduled_requests
+    counts = [s.num_tokens for s in scheduled]
+    lens = np.repeat(np.asarray([s.request.num_prompt_tokens for s in scheduled], dtype=np.int64), counts)
+    mask = np.zeros(len(positions), dtype=bool)
+    mask[: len(lens)] = positions[: len(lens)] < lens
+    return mask
 
 
 @dataclass

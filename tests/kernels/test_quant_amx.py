@@ -21,24 +21,11 @@ import torch
 from helpers.quant_weights import random_weight
 from pagedllm.kernels.cpu import library
 from pagedllm.kernels.cpu.library import kernels_available, load_library
-from pagedllm.kernels.cpu.quant import (
-    AMX_MIN_ROWS,
-    SUPPORTED_TYPES,
-    amx_available,
-    block_size,
-    quant_matmul,
-    uses_amx,
-)
+from pagedllm.kernels.cpu.quant import SUPPORTED_TYPES, amx_available, amx_enabled, block_size, quant_matmul
 
 needs_amx = pytest.mark.skipif(
     not kernels_available() or not amx_available(), reason="no AMX-BF16 (or no C compiler) here"
 )
-
-
-@pytest.fixture(autouse=True)
-def _amx_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiles are opt-in (``PAGEDLLM_CPU_AMX=1``); these tests take them."""
-    monkeypatch.setenv("PAGEDLLM_CPU_AMX", "1")
 
 
 SOURCE = Path(library.__file__).parent.parent / "csrc" / "quant_amx_cpu.c"
@@ -79,13 +66,27 @@ def test_matches_bfloat16_reference(type_name: str) -> None:
 @needs_amx
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
 def test_rows_are_independent(type_name: str) -> None:
-    """On the AMX path too, a row's result is bitwise the same in any batch and with any number of
-    threads (the padding rows of a partial tile of 16 are zeros and touch no other row)."""
+    """On the AMX path too, a row's result is bitwise the same in any batch (any row count, any place
+    in it: first or second tile block of a pair, a partial block) and with any number of threads: the
+    padding rows of a partial tile of 16 are zeros and touch no other row, and each output sums over k
+    in an order fixed by k alone. The engine relies on this to run a prompt token on the tiles in
+    whatever step it falls (:mod:`pagedllm.kernels.cpu.row_paths`)."""
     block = block_size(type_name)
     weight, _ = random_weight(type_name, 45, 2 * block, seed=7)
     x = torch.randn(100, 2 * block, generator=torch.Generator().manual_seed(8))
     full = quant_matmul(x, weight, amx=True)
-    for r0, r1 in [(0, 1), (5, 6), (0, 24), (5, 77), (99, 100), (3, 100)]:
+    for r0, r1 in [
+        (0, 1),
+        (5, 6),
+        (0, 24),
+        (5, 77),
+        (99, 100),
+        (3, 100),
+        (16, 17),
+        (15, 47),
+        (31, 64),
+        (40, 73),
+    ]:
         assert torch.equal(quant_matmul(x[r0:r1], weight, amx=True), full[r0:r1]), (r0, r1)
     threads = torch.get_num_threads()
     try:
@@ -98,17 +99,27 @@ def test_rows_are_independent(type_name: str) -> None:
 
 @needs_amx
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0"])
-def test_threshold_picks_the_path(type_name: str) -> None:
-    """Below AMX_MIN_ROWS rows the integer kernels run, from it on the tiles."""
+def test_the_caller_picks_the_path(type_name: str) -> None:
+    """quant_matmul takes the tiles only when asked (``amx=True``), whatever the row count: the path
+    is the caller's choice per row, never the product's size."""
     block = block_size(type_name)
-    threshold = AMX_MIN_ROWS[block]
     weight, _ = random_weight(type_name, 24, 2 * block, seed=9)
-    x = torch.randn(threshold + 1, 2 * block, generator=torch.Generator().manual_seed(10))
-    for rows in (threshold - 1, threshold, threshold + 1):
-        expected = quant_matmul(x[:rows], weight, amx=uses_amx(weight, rows))
-        assert uses_amx(weight, rows) == (rows >= threshold)
-        assert torch.equal(quant_matmul(x[:rows], weight), expected), rows
+    x = torch.randn(64, 2 * block, generator=torch.Generator().manual_seed(10))
+    for rows in (1, 16, 64):
+        assert torch.equal(quant_matmul(x[:rows], weight), quant_matmul(x[:rows], weight, amx=False)), rows
     assert not torch.equal(quant_matmul(x, weight, amx=True), quant_matmul(x, weight, amx=False))
+
+
+def test_amx_is_on_by_default_and_the_variable_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDLLM_CPU_AMX", raising=False)
+    assert amx_enabled() == amx_available()
+    monkeypatch.setenv("PAGEDLLM_CPU_AMX", "1")
+    assert amx_enabled() == amx_available()
+    monkeypatch.setenv("PAGEDLLM_CPU_AMX", "0")
+    assert not amx_enabled()
+    monkeypatch.setenv("PAGEDLLM_CPU_AMX", "yes")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_AMX must be 0"):
+        amx_enabled()
 
 
 @needs_amx

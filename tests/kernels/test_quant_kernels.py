@@ -140,7 +140,7 @@ def test_matmul_matches_reference(type_name: str, rows: int) -> None:
 @pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
 def test_rows_are_independent(type_name: str) -> None:
     """On the integer path, row i's output is bitwise the same alone, in any batch and with any number of
-    threads (the AMX path, which products of many rows take by default: test_quant_amx.py)."""
+    threads (the AMX path, which prompt tokens take by default: test_quant_amx.py)."""
     block = block_size(type_name)
     weight, _ = random_weight(type_name, 37, 3 * block, seed=5)
     x = random_input(300, 3 * block, block, seed=6)

@@ -9,15 +9,9 @@ import torch
 
 from helpers.quant_weights import random_weight
 from pagedllm.kernels.cpu.library import kernels_available
-from pagedllm.kernels.cpu.quant import (
-    AMX_MIN_ROWS,
-    QuantizedWeight,
-    dequantize,
-    gather_rows,
-    quant_matmul,
-    uses_amx,
-)
+from pagedllm.kernels.cpu.quant import QuantizedWeight, amx_enabled, dequantize, gather_rows, quant_matmul
 from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
+from pagedllm.kernels.cpu.row_paths import current_split, prompt_rows
 
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels")
 
@@ -48,10 +42,39 @@ def test_parts_side_by_side_bitwise(rows: int) -> None:
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     expected = torch.cat([quant_matmul(x, p) for p in parts], dim=1) + torch.linspace(-1, 1, 144)
     assert torch.equal(layer(x), expected)
-    # 3-D input, and a row's output independent of the other rows (on the path its row count takes).
+    # 3-D input, and a row's output independent of the other rows.
     assert torch.equal(layer(x.view(1, rows, 256))[0], expected)
-    tail = AMX_MIN_ROWS[256] if uses_amx(parts[0], rows) else 1
-    assert torch.equal(layer(x[-tail:]), expected[-tail:])
+    assert torch.equal(layer(x[-1:]), expected[-1:])
+
+
+@needs_kernels
+def test_marked_prompt_rows_take_the_tiles_and_the_others_the_integer_kernels() -> None:
+    """Inside :func:`prompt_rows`, each row takes the path of its mark, bitwise as a product of that
+    row alone on that path, whatever the other rows are (runs of both kinds, interleaved)."""
+    layer = QuantLinear(_parts(), bias=True)
+    with torch.no_grad():
+        layer.bias.copy_(torch.linspace(-1, 1, 144))  # type: ignore[union-attr]
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(6))
+    integer = layer(x)  # no mark: every row on the integer kernels
+    tiles = amx_enabled()
+    if tiles:
+        with prompt_rows([True] * 40):
+            on_tiles = layer(x)
+        assert not torch.equal(on_tiles, integer)
+    else:
+        on_tiles = integer  # no AMX here (or PAGEDLLM_CPU_AMX=0): every mark means the integer kernels
+    for mask in (
+        [True] * 20 + [False] * 20,
+        [False] * 3 + [True] * 30 + [False] * 7,
+        [i % 3 == 0 for i in range(40)],
+    ):
+        with prompt_rows(mask):
+            got = layer(x)
+        for i, is_prompt in enumerate(mask):
+            assert torch.equal(got[i], on_tiles[i] if is_prompt else integer[i]), (mask, i)
+        with prompt_rows(mask), pytest.raises(RuntimeError, match="39 rows inside a prompt-row mark for 40"):
+            layer(x[1:])
+    assert current_split() is None  # the mark ends with its block
 
 
 @needs_kernels

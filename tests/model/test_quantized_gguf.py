@@ -19,7 +19,7 @@ from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.kernels.cpu.library import kernels_available
 from pagedllm.kernels.cpu.linear import PanelLinear
-from pagedllm.kernels.cpu.quant import AMX_MIN_ROWS, QuantizedWeight, amx_available, dequantize
+from pagedllm.kernels.cpu.quant import QuantizedWeight, amx_available, dequantize
 from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.gguf_loader import load_gguf
 from pagedllm.model.hf_loader import load_hf
@@ -124,13 +124,12 @@ def test_engine_runs_the_blocks_and_native_decode_matches(
 
 @needs_kernels
 @pytest.mark.skipif(not kernels_available() or not amx_available(), reason="no AMX-BF16 here")
-def test_native_decode_takes_the_tiles_as_the_python_forward_does(
-    make_llm: Any, mixed_gguf: tuple[str, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+def test_native_decode_rows_take_the_integer_kernels_at_every_batch_size(
+    make_llm: Any, mixed_gguf: tuple[str, dict[str, torch.Tensor]]
 ) -> None:
-    """Decode steps of 20 sequences down to 1 cross AMX_MIN_ROWS of the K types (16): the native layers
-    pick the AMX or the integer path for each part as quant_matmul does (their hidden states match
-    the Python forward's at every batch size)."""
-    monkeypatch.setenv("PAGEDLLM_CPU_AMX", "1")  # the tiles are opt-in
+    """With the AMX tiles on (the default), decode steps of 20 sequences down to 1: the native layers
+    run decode rows on the integer kernels as the Python forward does (their hidden states match at
+    every batch size), however many rows the step has."""
     path, _ = mixed_gguf
     llm = make_llm(path, tokenizer=default_model_path(), num_kv_blocks=64, max_model_len=512)
     runner = llm.llm_engine.runner
@@ -143,7 +142,6 @@ def test_native_decode_takes_the_tiles_as_the_python_forward_does(
     finally:
         runner.native_decode = checked.native
     assert set(checked.batch_sizes) == set(range(1, 21))
-    assert AMX_MIN_ROWS[256] in checked.batch_sizes and AMX_MIN_ROWS[256] - 1 in checked.batch_sizes
     llm.llm_engine.check_idle()
 
 

@@ -16,7 +16,6 @@ import torch
 
 from pagedllm.kernels.cpu.library import load_library
 from pagedllm.kernels.cpu.linear import PanelLinear
-from pagedllm.kernels.cpu.quant import AMX_MIN_ROWS, amx_enabled, block_size
 from pagedllm.kernels.cpu.quant_linear import QuantLinear
 
 _MAX_PARTS = 4  # LINEAR_MAX_PARTS in decode_layers_cpu.c
@@ -41,16 +40,9 @@ def linear_weight_struct(module: PanelLinear | QuantLinear) -> LinearWeightStruc
     if isinstance(module, PanelLinear):
         parts = [(_PANELS, module.out_features, module.panels.data_ptr(), 0)]
     else:
-        # The row count from which quant_matmul takes the AMX tiles, as it is now (0: never).
-        parts = [
-            (
-                p.type_id,
-                p.out_features,
-                p.blocks.data_ptr(),
-                AMX_MIN_ROWS[block_size(p.type_name)] if amx_enabled() else 0,
-            )
-            for p in module.parts
-        ]
+        # amx_min_rows 0: never the AMX tiles. Decode rows take the integer kernels whatever their
+        # number (prompt rows, which take the tiles, never run here: see pagedllm.kernels.cpu.row_paths).
+        parts = [(p.type_id, p.out_features, p.blocks.data_ptr(), 0) for p in module.parts]
     if len(parts) > _MAX_PARTS:
         raise ValueError(f"native decode takes at most {_MAX_PARTS} parts per projection, got {len(parts)}.")
     bias = module.bias

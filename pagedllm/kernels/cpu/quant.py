@@ -7,11 +7,13 @@ activations are quantized to int8 per block (one scale per 32 values, per 256 fo
 integer dot products run on the stored quants (AVX-512 VNNI, AVX2 or portable C, whichever the
 library was compiled for), so the weight is read at its stored size (about 4.5-8.5 bits a value). The
 result differs from the float product by the activations' rounding, at most half an int8 step per
-value (see the tests for the bound). Products of many rows (prompts) run instead, where the CPU has
-AMX, on its bfloat16 tiles (``quant_amx_cpu.c``): a few output columns of the weight at a time are
-dequantized into a per-thread scratch panel, so that no float copy of the weight outlives the call;
-x and the weight are rounded to bfloat16 and the products summed in float32. :func:`dequantize`
-expands rows to float32, bitwise as ``gguf.quants.dequantize`` does.
+value (see the tests for the bound). With ``amx=True``, where the CPU has AMX (:func:`amx_enabled`:
+on by default, ``PAGEDLLM_CPU_AMX=0`` turns it off), the product runs instead on its bfloat16 tiles
+(``quant_amx_cpu.c``): a few output columns of the weight at a time are dequantized into a per-thread
+scratch panel, so that no float copy of the weight outlives the call; x and the weight are rounded to
+bfloat16 and the products summed in float32. The engine takes the tiles for prompt tokens and the
+integer kernels for every other row, whatever the batch (:mod:`pagedllm.kernels.cpu.row_paths`).
+:func:`dequantize` expands rows to float32, bitwise as ``gguf.quants.dequantize`` does.
 
 Where the kernel library cannot be built, both fall back to gguf's NumPy dequantizer (and
 ``F.linear``).
@@ -51,9 +53,8 @@ LOADABLE_TYPES: tuple[str, ...] = SUPPORTED_TYPES + tuple(REPACKED_TYPES)
 
 _ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX2 + AVX-VNNI", 3: "AVX-512 VNNI"}
 
-# Rows from which :func:`quant_matmul` takes the AMX bfloat16 tiles where the CPU has them, by values
-# per block: below, dequantizing the weight costs more than the tiles save (docs/PERFORMANCE.md).
-AMX_MIN_ROWS: dict[int, int] = {32: 48, 256: 16}
+# The environment variable that turns the AMX path off ("0"); "1" (or unset) leaves it on where it runs.
+AMX_ENV = "PAGEDLLM_CPU_AMX"
 
 
 def check_supported(type_name: str) -> None:
@@ -169,7 +170,7 @@ def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
 
 def kernel_isa() -> str:
     """The instruction set :func:`quant_matmul` uses here (``"portable C"`` without the library), and
-    ``" + AMX-BF16"`` where products of many rows run on the tile units."""
+    ``" + AMX-BF16"`` where prompt rows run on the tile units (:func:`amx_enabled`)."""
     if not kernels_available():
         return "portable C"
     name = _ISA_NAMES.get(int(load_library().quant_kernel_isa()), "unknown")
@@ -184,16 +185,17 @@ def amx_available() -> bool:
 
 
 def amx_enabled() -> bool:
-    """Whether products of many rows take the AMX tiles by default: where they run
-    (:func:`amx_available`) and ``PAGEDLLM_CPU_AMX=1`` asks for them. Off by default: the tiles round
-    in bfloat16, so a row's result would depend on how many rows share its step (a prompt alone and
-    the same prompt batched could differ in a near-tie), and the engine keeps batching invariant."""
-    return os.environ.get("PAGEDLLM_CPU_AMX", "0") == "1" and amx_available()
+    """Whether prompt rows take the AMX tiles: where they run (:func:`amx_available`) unless
+    ``PAGEDLLM_CPU_AMX=0``. The engine chooses the path per token, never per batch size
+    (:mod:`pagedllm.kernels.cpu.row_paths`), so a token's result does not depend on its batch.
 
-
-def uses_amx(weight: QuantizedWeight, rows: int) -> bool:
-    """Whether :func:`quant_matmul` multiplies ``rows`` rows by ``weight`` on the AMX tiles."""
-    return rows >= AMX_MIN_ROWS[block_size(weight.type_name)] and amx_enabled()
+    Raises ``ValueError`` naming the variable for a value other than ``0`` or ``1``."""
+    value = os.environ.get(AMX_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{AMX_ENV} must be 0 (integer kernels only) or 1 (AMX tiles for prompts), not {value!r}."
+        )
+    return value == "1" and amx_available()
 
 
 def _check_rc(rc: int, weight: QuantizedWeight) -> None:
@@ -259,17 +261,17 @@ def quant_matmul(
     *,
     out: torch.Tensor | None = None,
     portable: bool = False,
-    amx: bool | None = None,
+    amx: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T`` for float32 ``x [..., in_features]`` and a quantized ``W``: float32 ``[..., out_features]``.
 
     ``out`` (optional) is a float32 ``[rows, out_features]`` view with unit column stride to write into
     (a column range of a wider output); it is returned. ``portable=True`` takes the kernel's portable C
-    path whatever the CPU (for tests). Products of at least :data:`AMX_MIN_ROWS` rows run on the AMX
-    tiles where there are (:func:`uses_amx`; ``amx=True`` / ``False`` forces the choice, ``True``
-    raising ``RuntimeError`` where AMX is not available): x and the weight rounded to bfloat16,
-    summed in float32. On either path a row's result does not depend on the other rows of ``x`` nor
-    on the thread count; the two paths round differently (the integer path quantizes x to int8).
+    path whatever the CPU (for tests). ``amx=True`` runs the product on the AMX tiles (``RuntimeError``
+    where :func:`amx_available` is false): x and the weight rounded to bfloat16, summed in float32.
+    On either path a row's result does not depend on the other rows of ``x`` (how many, or where the
+    row lies) nor on the thread count; the two paths round differently (the integer path quantizes x
+    to int8), so callers choose the path per row (:mod:`pagedllm.kernels.cpu.row_paths`).
     """
     k, n = weight.in_features, weight.out_features
     if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -294,9 +296,7 @@ def quant_matmul(
         x2 = x2.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
     lib = load_library()
-    if amx is None:
-        amx = not portable and uses_amx(weight, rows)
-    elif amx and (portable or not amx_available()):
+    if amx and (portable or not amx_available()):
         raise RuntimeError("quant_matmul: amx=True needs the AMX path (not portable, an AMX-BF16 CPU).")
     if amx:
         fn = lib.amx_quant_matmul_f32

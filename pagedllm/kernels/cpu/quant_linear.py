@@ -3,11 +3,11 @@
 :class:`QuantLinear` is an ``nn.Linear`` whose weight stays in its GGUF blocks
 (:class:`~pagedllm.kernels.cpu.quant.QuantizedWeight`); :class:`QuantEmbedding` is an ``nn.Embedding``
 over such a table, and a tied LM head is a :class:`QuantLinear` over the very same blocks (one copy).
-Every product runs :func:`quant_matmul` on the blocks: the integer kernels for few rows (decode), the
-AMX tiles for many where the CPU has them (prompts; a panel of the weight dequantized to bfloat16 at
-a time, never the whole weight). On each path a row's result is independent of the other rows of its
-batch; a row computed in batches on both sides of :data:`~pagedllm.kernels.cpu.quant.AMX_MIN_ROWS`
-differs by the two paths' rounding.
+Every product runs :func:`quant_matmul` on the blocks, on the path each row's kind picks
+(:mod:`pagedllm.kernels.cpu.row_paths`): prompt rows on the AMX tiles where the CPU has them (a panel
+of the weight dequantized to bfloat16 at a time, never the whole weight), every other row on the
+integer kernels; a step with both runs one product per path. On each path a row's result is
+independent of the other rows of its batch, so a token's result depends on the token alone.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.cpu.quant import QuantizedWeight, gather_rows, quant_matmul
+from pagedllm.kernels.cpu.row_paths import current_split
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -80,19 +81,42 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, type={types}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T (+ bias)``; the rows marked as prompt rows (:func:`~pagedllm.kernels.cpu.row_paths.
+        prompt_rows`) on the AMX tiles, the others on the integer kernels."""
         k, n = self.in_features, self.out_features
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
-        if len(self.parts) == 1:
-            out = quant_matmul(x2, self.parts[0])
+        rows = x2.shape[0]
+        split = current_split()
+        if split is not None and split.num_rows != rows:
+            raise RuntimeError(
+                f"QuantLinear got {rows} rows inside a prompt-row mark for {split.num_rows}: its rows' "
+                "paths are unknown."
+            )
+        out = torch.empty(rows, n, dtype=torch.float32)
+        if split is None or split.prompt is None:
+            self._product(x2, out, amx=False)
+        elif split.other is None:
+            self._product(x2, out, amx=True)
         else:
-            out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-            col = 0
-            for part in self.parts:
-                quant_matmul(x2, part, out=out[:, col : col + part.out_features])
-                col += part.out_features
+            for index, amx in ((split.prompt, True), (split.other, False)):
+                if isinstance(index, slice):
+                    self._product(x2[index], out[index], amx=amx)
+                else:
+                    out.index_copy_(0, index, self._product(x2.index_select(0, index), None, amx=amx))
         if self.bias is not None:
             out += self.bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def _product(self, x2: torch.Tensor, out: torch.Tensor | None, *, amx: bool) -> torch.Tensor:
+        """``x2 @ W.T`` (no bias) on one path, into ``out`` (a row range of the layer's output) or a
+        fresh tensor."""
+        if out is None:
+            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        col = 0
+        for part in self.parts:
+            quant_matmul(x2, part, out=out[:, col : col + part.out_features], amx=amx)
+            col += part.out_features
+        return out
 
 
 class QuantEmbedding(nn.Module):
