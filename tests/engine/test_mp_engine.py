@@ -22,7 +22,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, prompt_block_hashes
 from pagedllm.engine.core_protocol import AddRequest, Codec, CoreOutputs
 from pagedllm.engine.dp_router import PrefixRouter
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.engine.output_deltas import DeltaAccumulator, DeltaEncoder
+from pagedllm.engine.output_deltas import OutputAccumulator, OutputDecoder, encode_output
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
@@ -108,42 +108,48 @@ def test_codec_round_trips_requests_and_outputs() -> None:
 
 
 def test_deltas_rebuild_the_cumulative_outputs() -> None:
-    """Cumulative snapshots -> deltas -> accumulated snapshots gives back the snapshots, with each
-    delta carrying only what is new."""
-    encoder = DeltaEncoder()
-    acc = DeltaAccumulator("r", "p", [9, 9], n=2)
+    """Delta outputs -> messages -> decoded and accumulated outputs gives back the cumulative
+    snapshots, with each message carrying only what is new."""
+    codec = Codec()
     texts = [["He", "Hello", "Hello wor", "Hello world"], ["A", "AB", "AB", "ABC"]]
-    snapshots = []
+    snapshots, deltas = [], []
+    prompt_logprobs = [None, {9: Logprob(-1.0)}]
     for step in range(4):
-        outs = []
+        outs, news = [], []
         for i in range(2):
             ids = list(range(step + 1 + i))
-            outs.append(
+            logprobs = [{t: Logprob(-0.5, 1, str(t))} for t in ids]
+            done = "length" if step == 3 else None
+            outs.append(CompletionOutput(i, texts[i][step], ids, -float(step), logprobs, done))
+            old_ids = len(ids) - 1 if step else 0
+            old_text = len(texts[i][step - 1]) if step else 0
+            news.append(
                 CompletionOutput(
-                    index=i,
-                    text=texts[i][step],
-                    token_ids=ids,
-                    cumulative_logprob=-float(step),
-                    logprobs=[{t: Logprob(-0.5, 1, str(t))} for t in ids],
-                    finish_reason="length" if step == 3 else None,
+                    i, texts[i][step][old_text:], ids[old_ids:], -float(step), logprobs[old_ids:], done
                 )
             )
         snapshots.append(
-            RequestOutput(
-                "r", "p", [9, 9], outs, finished=step == 3, prompt_logprobs=[None, {9: Logprob(-1.0)}]
-            )
+            RequestOutput("r", "p", [9, 9], outs, finished=step == 3, prompt_logprobs=prompt_logprobs)
         )
+        first = prompt_logprobs if step == 0 else None
+        deltas.append(RequestOutput("r", "p", [9, 9], news, finished=step == 3, prompt_logprobs=first))
+    decoder = OutputDecoder("p", [9, 9], OutputAccumulator(2))
     rebuilt = []
-    for snap in snapshots:
-        delta = encoder.delta(snap)
-        assert sum(len(c.token_ids) for c in delta.completions) <= 2 or snap is snapshots[0]
-        rebuilt.append(acc.apply(delta, offset=0.0))
+    for delta in deltas:
+        message = codec.from_core.decode(codec.encode(CoreOutputs(0, 0.0, deltas=[encode_output(delta)])))
+        (sent,) = message.deltas
+        assert sum(len(c.token_ids) for c in sent.completions) <= 2 or delta is deltas[0]
+        rebuilt.append(decoder.output(sent, offset=0.0))
     for want, got in zip(snapshots, rebuilt, strict=True):
         assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
         assert [c.logprobs for c in got.outputs] == [c.logprobs for c in want.outputs]
         assert got.finished == want.finished and got.prompt_logprobs == want.prompt_logprobs
-    assert not encoder.sent, "a finished request's state is forgotten"
+    # Without an accumulator the front-end hands the deltas on as they came.
+    plain = OutputDecoder("p", [9, 9], None).output(encode_output(deltas[1]), offset=0.0)
+    assert [(c.text, c.token_ids) for c in plain.outputs] == [
+        (c.text, c.token_ids) for c in deltas[1].outputs
+    ]
 
 
 def test_router_hashes_match_the_kv_cache_managers() -> None:
