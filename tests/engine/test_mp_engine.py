@@ -6,6 +6,7 @@ prefix-aware router."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -26,7 +27,7 @@ from pagedllm.engine.output_deltas import OutputAccumulator, OutputDecoder, enco
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 ENGINE_ARGS: dict[str, Any] = {"max_model_len": 1024, "num_kv_blocks": 256}
 PROMPTS = [
@@ -221,6 +222,67 @@ def test_multiprocess_outputs_equal_in_process(mp_llm: LLM, local_llm: LLM) -> N
     assert tokens(mp_llm.chat(chat, greedy, use_tqdm=False)) == tokens(
         local_llm.chat(chat, greedy, use_tqdm=False)
     )
+    mp_llm.llm_engine.check_idle()
+
+
+def run_each_kind(engine: Any, params: SamplingParams, kinds: list[RequestOutputKind]) -> dict[tuple, list]:
+    """Every output of each prompt asked with each kind, all in one batch."""
+    seen: dict[tuple, list[RequestOutput]] = {}
+    for i, prompt in enumerate(PROMPTS[:2]):
+        for kind in kinds:
+            seen[i, kind] = []
+            engine.add_request(f"{kind.name}-{i}", prompt, dataclasses.replace(params, output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = int(out.request_id.rsplit("-", 1)[1])
+            seen[i, RequestOutputKind[out.request_id.rsplit("-", 1)[0]]].append(out)
+    return seen
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(mp_llm: LLM, local_llm: LLM) -> None:
+    """DELTA outputs, in this process and from core processes, add up to the cumulative outputs
+    (text, token ids, logprobs, cumulative logprob, finish): greedy and seeded sampling, two
+    sequences, stop strings (whose possible beginnings are held back, never sent then taken back).
+    Across processes cumulative outputs are added up from deltas by the front-end: they equal this
+    process's."""
+    stop = [", ", "the "]
+    cases = [
+        SamplingParams(temperature=0, n=2, max_tokens=20, stop=stop, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=20, stop=stop, logprobs=2),
+    ]
+    kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA]
+    stopped = set()
+    for params in cases:
+        by_engine = [run_each_kind(llm.llm_engine, params, kinds) for llm in (local_llm, mp_llm)]
+        for seen in by_engine:
+            for i in range(2):
+                cumulative, deltas = seen[i, RequestOutputKind.CUMULATIVE], seen[i, RequestOutputKind.DELTA]
+                acc = OutputAccumulator(params.n)
+                for k, delta in enumerate(deltas):
+                    assert delta.finished == (k == len(deltas) - 1)
+                    assert (delta.prompt_logprobs is not None) == (
+                        k == 0 and params.prompt_logprobs is not None
+                    )
+                    total = acc.add(delta)
+                want = cumulative[-1]
+                assert total.finished and want.finished
+                assert [
+                    (c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                    for c in total.outputs
+                ] == [
+                    (c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                    for c in want.outputs
+                ]
+                assert total.prompt_logprobs == want.prompt_logprobs
+                finishes = [c.index for d in deltas for c in d.outputs if c.finish_reason is not None]
+                assert sorted(finishes) == list(range(params.n)), "each sequence's finish comes once"
+                stopped.update(c.stop_reason for c in want.outputs if isinstance(c.stop_reason, str))
+        local, remote = by_engine
+        for key in local:
+            assert [c.token_ids for c in local[key][-1].outputs] == [
+                c.token_ids for c in remote[key][-1].outputs
+            ]
+    assert stopped, "no case ended on a stop string"
     mp_llm.llm_engine.check_idle()
 
 
