@@ -1,5 +1,5 @@
 """The front-end's end of the engine-core processes: start-up handshake, routing, output deltas
-turned back into cumulative outputs, and liveness.
+(handed on, or added up for callers that want cumulative outputs), and liveness.
 
 A :class:`CoreClient` binds one ROUTER socket (front-end ``index`` of the server) that every core
 connects to. After the handshake (each expected rank says :class:`Hello`; front-end 0 answers with

@@ -6,11 +6,12 @@ feeds them (``process_token``, then one snapshot per request that got a token), 
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 
-from pagedllm.engine.output_deltas import OutputAccumulator
+from pagedllm.engine.output_deltas import OutputAccumulator, merge_deltas
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.request import Request, RequestStatus
@@ -402,3 +403,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(kwargs: dict, scripts: list
     finishes = [c.index for d in deltas for c in d.outputs if c.finish_reason is not None]
     assert sorted(finishes) == list(range(len(scripts))), "each sequence's finish comes once"
     assert sent_tokens == [len(c.token_ids) for c in cumulative[-1].outputs]
+    # A caller that fell behind gets the deltas queued for it merged into one: the same in the end.
+    merged = functools.reduce(merge_deltas, deltas)
+    assert merged.prompt_logprobs == deltas[0].prompt_logprobs and merged.finished
+    assert fields(OutputAccumulator(len(scripts)).add(merged)) == fields(got)
