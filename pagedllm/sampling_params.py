@@ -13,7 +13,12 @@ from pagedllm.errors import RequestError
 class RequestOutputKind(enum.Enum):
     """Which ``RequestOutput`` snapshots a request produces while it runs."""
 
-    CUMULATIVE = 0  # one after every step that gave it a token, with everything so far (streaming)
+    CUMULATIVE = 0  # one after every step that gave it a token, with everything so far
+    # One after every step that gave it a token, with only what is new since the previous one
+    # (streaming): the new text, token ids and logprobs of each sequence that gained any (or just
+    # finished; its finish reason is in that output alone), the prompt logprobs in the first output,
+    # the cumulative logprob as the running total. Concatenated, they are the cumulative output.
+    DELTA = 1
     FINAL_ONLY = 2  # only the final one (offline generation: no per-step snapshots to build)
 
 

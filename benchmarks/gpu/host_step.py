@@ -135,7 +135,7 @@ def main() -> int:
     attach_stub_graphs(engine, n, args.seed)
     rng = random.Random(args.seed)
     results: dict[str, Any] = {"batch_size": n, "prompt_len": args.prompt_len, "steps": args.steps}
-    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE):
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
         params = SamplingParams(
             temperature=1.0, max_tokens=max_model_len - args.prompt_len, ignore_eos=True, output_kind=kind
         )
@@ -160,7 +160,7 @@ def main() -> int:
     print(f"\nHost work of a decode step, {n} running requests, CUDA-graph staging, model not run")
     header = ("outputs", "mode", *[f"{p} ms" for p in PHASES], "step ms", "host ms (step - sample)")
     print(" | ".join(header))
-    for kind in ("final_only", "cumulative"):
+    for kind in ("final_only", "cumulative", "delta"):
         for mode in ("sync", "ahead"):
             r = results[f"{kind}_{mode}"]
             cells = [

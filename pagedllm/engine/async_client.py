@@ -33,11 +33,12 @@ from pagedllm.engine.engine_checks import check_new_request_id, check_priority
 from pagedllm.engine.engine_core import EngineOutput
 from pagedllm.engine.errors import EngineDeadError, RequestAbortedError
 from pagedllm.engine.metrics import EngineMetrics, RequestTimes
+from pagedllm.engine.output_deltas import merge_deltas
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class RequestStream:
@@ -209,7 +210,8 @@ class AsyncEngineClient:
 
         Raises the engine's ``ValueError`` for an invalid request (a bad ``priority`` at once),
         :class:`QueueFullError` when the waiting queue is full and :class:`EngineDeadError` when the
-        engine is not running. Returns an iterator of the request's cumulative outputs, ending with
+        engine is not running. Returns an iterator of the request's outputs as ``params.output_kind``
+        asks (cumulative ones, or with ``DELTA`` what each adds, or only the final one), ending with
         the finished one; closing or abandoning the iterator early aborts the request.
         """
         self.check_priority(priority)
@@ -239,6 +241,9 @@ class AsyncEngineClient:
     ) -> RequestStream:
         """Hand a request to the engine thread and wait until the engine has accepted it."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
+        stream.times.delta = (
+            isinstance(params, SamplingParams) and params.output_kind is RequestOutputKind.DELTA
+        )
         if isinstance(prompt, list):
             stream.times.num_prompt_tokens = len(prompt)
         with self._lock:
@@ -261,7 +266,7 @@ class AsyncEngineClient:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its cumulative outputs until it finishes."""
+        """Submit a request and yield its outputs (as ``params.output_kind`` asks) until it finishes."""
         outputs = await self.add_request(request_id or self.new_request_id(), prompt, params, priority)
         async for output in outputs:
             yield output
@@ -326,9 +331,12 @@ class AsyncEngineClient:
         try:
             while True:
                 item = await stream.queue.get()
-                # Outputs are cumulative: when the caller fell behind, only the newest one matters.
+                # A caller that fell behind gets one output for the ones queued: the newest one of
+                # cumulative outputs, deltas merged.
                 while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
+                    newer = stream.queue.get_nowait()
+                    delta = stream.times.delta and isinstance(newer, RequestOutput)
+                    item = merge_deltas(item, newer) if delta else newer  # type: ignore[arg-type]
                 if isinstance(item, BaseException):
                     finished = True  # the engine side already dropped the request
                     raise item

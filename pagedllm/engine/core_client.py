@@ -1,5 +1,5 @@
 """The front-end's end of the engine-core processes: start-up handshake, routing, output deltas
-turned back into cumulative outputs, and liveness.
+(handed on, or added up for callers that want cumulative outputs), and liveness.
 
 A :class:`CoreClient` binds one ROUTER socket (front-end ``index`` of the server) that every core
 connects to. After the handshake (each expected rank says :class:`Hello`; front-end 0 answers with
@@ -22,6 +22,7 @@ another core answers, and it is responsive again as soon as it is heard from.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import queue
@@ -60,7 +61,7 @@ from pagedllm.engine.core_protocol import (
 )
 from pagedllm.engine.dp_router import PrefixRouter
 from pagedllm.engine.errors import EngineDeadError, RequestError
-from pagedllm.engine.output_deltas import DeltaAccumulator, metrics_from_times
+from pagedllm.engine.output_deltas import OutputAccumulator, OutputDecoder, metrics_from_times
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_events import StepRecord
 from pagedllm.outputs import (
@@ -69,7 +70,7 @@ from pagedllm.outputs import (
     RequestOutput,
 )
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm.client")
 
@@ -183,9 +184,9 @@ class CoreClient:
         os.set_blocking(self._wake_r, False)
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
-        # I/O-thread state: request id -> rank, and cumulative outputs.
+        # I/O-thread state: request id -> rank, and what makes its outputs from the core's messages.
         self._owner: dict[str, tuple[int, int]] = {}
-        self._acc: dict[str, DeltaAccumulator] = {}
+        self._acc: dict[str, OutputDecoder] = {}
         self._offsets: dict[int, float] = {}
         self.dead_reason: str | None = None
 
@@ -422,9 +423,15 @@ class CoreClient:
         core = self.cores[rank]
         params = cmd.params
         if isinstance(params, SamplingParams):
+            cumulative = params.output_kind is RequestOutputKind.CUMULATIVE
+            if cumulative:  # the core sends deltas; they are added up here
+                params = copy.copy(params)
+                params.output_kind = RequestOutputKind.DELTA
             message = AddRequest(cmd.request_id, cmd.prompt_ids, sampling=params, priority=cmd.priority)
             n = params.n
-            self._acc[cmd.request_id] = DeltaAccumulator(cmd.request_id, cmd.prompt, cmd.prompt_ids, n)
+            self._acc[cmd.request_id] = OutputDecoder(
+                cmd.prompt, cmd.prompt_ids, OutputAccumulator(n) if cumulative else None
+            )
         else:
             message = AddRequest(cmd.request_id, cmd.prompt_ids, pooling=params, priority=cmd.priority)
             n = 1
@@ -470,7 +477,7 @@ class CoreClient:
                 acc = self._acc.get(delta.request_id)
                 if acc is None:
                     continue  # aborted meanwhile
-                outputs.append(acc.apply(delta, offset))
+                outputs.append(acc.output(delta, offset))
                 if delta.finished:
                     self._finish(delta.request_id)
             for emb in message.embeddings:

@@ -65,9 +65,10 @@ from pagedllm.engine.engine_core import (
 )
 from pagedllm.engine.engine_state import EngineCall, encode_state
 from pagedllm.engine.errors import RequestError, as_request_error
-from pagedllm.engine.output_deltas import DeltaEncoder, metrics_times
+from pagedllm.engine.output_deltas import encode_output, metrics_times
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -230,6 +231,10 @@ class _CoreIO:
         if isinstance(message, AddRequest):
             self.owner[message.request_id] = index
             params = message.sampling if message.sampling is not None else message.pooling
+            if message.sampling is not None and message.sampling.output_kind is RequestOutputKind.CUMULATIVE:
+                # Outputs travel as deltas (the front-end adds them up for a caller that wants
+                # cumulative outputs): the output processor makes them.
+                message.sampling.output_kind = RequestOutputKind.DELTA
             self._submit(AddCommand(message.request_id, message.prompt_token_ids, params, message.priority))
         elif isinstance(message, AbortRequests):
             self._submit(AbortCommand(message.request_ids))
@@ -295,7 +300,6 @@ class EngineCoreProc:
         self.io = io
         self.options = options
         self.codec = Codec()
-        self.deltas = DeltaEncoder()
         self.num_frontends = len(io.dealers)
         pool = engine.kv_cache_manager.pool
         pool.report_events = options.report_cache_events
@@ -320,7 +324,6 @@ class EngineCoreProc:
 
     def aborted(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.deltas.forget(rid)
             self.io.owner.pop(rid, None)
 
     def outputs(self, outputs: Sequence[RequestOutput | EmbeddingRequestOutput]) -> None:
@@ -344,7 +347,7 @@ class EngineCoreProc:
                 EmbeddingResult(rid, list(out.outputs.embedding), metrics_times(out.metrics))
             )
         else:
-            target.deltas.append(self.deltas.delta(out))
+            target.deltas.append(encode_output(out))
         if out.finished:
             self.io.owner.pop(rid, None)
 

@@ -15,8 +15,10 @@ A request's ``priority`` (the ``priority`` scheduling policy's order) travels as
 :func:`check_wire_priority` refuses anything else before it is encoded, so that a core never meets a
 message it cannot decode.
 
-Outputs are deltas: a :class:`RequestDelta` carries only what a request gained since the previous
-delta (new text, token ids, logprobs), and the front-end keeps the cumulative state.
+Outputs are deltas: a :class:`RequestDelta` is a ``DELTA`` output as the core's output processor made
+it, carrying only what a request gained since the previous one (new text, token ids, logprobs); a
+``FINAL_ONLY`` request's one output travels whole. The front-end adds deltas up only for callers that
+want cumulative outputs (see :mod:`pagedllm.engine.output_deltas`).
 """
 
 from __future__ import annotations

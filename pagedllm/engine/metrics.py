@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from prometheus_client import (
@@ -72,6 +73,11 @@ class RequestTimes:
     arrival: float
     first_token_time: float | None = None
     num_prompt_tokens: int = 0  # when known at submission (an output may not carry its prompt)
+    # For a request whose outputs are deltas: its generated tokens and its sequences' finish
+    # reasons so far (index -> reason), which its final output alone does not hold.
+    delta: bool = False
+    num_generation_tokens: int = 0
+    finish_reasons: dict[int, str | None] = dataclass_field(default_factory=dict)
 
 
 class EngineMetrics:
@@ -330,6 +336,11 @@ class EngineMetrics:
             if first is not None:
                 times.first_token_time = first
                 self.time_to_first_token.observe(max(0.0, first - times.arrival))
+        if times.delta:
+            times.num_generation_tokens += sum(len(c.token_ids) for c in completions)
+            for c in completions:
+                if c.finish_reason is not None:
+                    times.finish_reasons[c.index] = c.finish_reason
         if not out.finished:
             return
         self.e2e_request_latency.observe(now - times.arrival)
@@ -338,8 +349,12 @@ class EngineMetrics:
         elif times.first_token_time is not None:
             self.request_queue_time.observe(max(0.0, times.first_token_time - times.arrival))
         self.request_prompt_tokens.observe(len(out.prompt_token_ids) or times.num_prompt_tokens)
-        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in completions))
-        reasons = [c.finish_reason for c in sorted(completions, key=lambda c: c.index)] or ["stop"]
+        if times.delta:
+            self.request_generation_tokens.observe(times.num_generation_tokens)
+            reasons = [times.finish_reasons[i] for i in sorted(times.finish_reasons)] or ["stop"]
+        else:
+            self.request_generation_tokens.observe(sum(len(c.token_ids) for c in completions))
+            reasons = [c.finish_reason for c in sorted(completions, key=lambda c: c.index)] or ["stop"]
         name = self.model_name
         self._request_success.labels(name, reasons[0] or "unknown").inc()
         for reason in reasons:

@@ -22,6 +22,11 @@ class SequenceState:
     grammar) is ``deferred``: its tokens are detokenized in one call when its output is built.
     ``num_text_tokens`` of its output tokens make its text (not a final EOS or stop token id), the
     first ``num_decoded`` of them are in ``text``.
+
+    For ``DELTA`` output, ``sent_text``, ``sent_tokens`` and ``sent_logprobs`` count what earlier
+    outputs carried, and ``sent_finish`` whether one carried the finish. The visible text only grows
+    (a stop string cuts the text at or after what was visible, see :meth:`visible_text`), so what
+    was sent is never taken back.
     """
 
     request: Request
@@ -31,6 +36,10 @@ class SequenceState:
     deferred: bool = False
     num_text_tokens: int = 0
     num_decoded: int = 0
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_finish: bool = False
 
     def flush_text(self) -> None:
         """Detokenize the deferred tokens (in one call the first time, as one usually suffices)."""
@@ -63,6 +72,32 @@ class SequenceState:
             stop_reason=req.stop_reason,
         )
 
+    def completion_delta(self) -> CompletionOutput | None:
+        """What the sequence gained since the previous delta (None when nothing: no new token,
+        text or finish)."""
+        req = self.request
+        finished = req.is_finished
+        text = self.visible_text()
+        tokens = req.output_token_ids
+        if len(tokens) == self.sent_tokens and len(text) == self.sent_text and finished == self.sent_finish:
+            return None
+        assert len(text) >= self.sent_text, "visible text was taken back"
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = req.logprobs[self.sent_logprobs :]
+            self.sent_logprobs = len(req.logprobs)
+        out = CompletionOutput(
+            index=req.index,
+            text=text[self.sent_text :],
+            token_ids=tokens[self.sent_tokens :],
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=logprobs,
+            finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+        )
+        self.sent_text, self.sent_tokens, self.sent_finish = len(text), len(tokens), finished
+        return out
+
 
 @dataclass
 class ParentState:
@@ -74,27 +109,33 @@ class ParentState:
     arrival_time: float
     children: list[SequenceState] = field(default_factory=list)
     final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no snapshots before the final one
+    delta: bool = False  # RequestOutputKind.DELTA: each output holds what is new since the previous
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(c.request.is_finished for c in self.children)
 
     def output(self) -> RequestOutput:
-        """A snapshot of the request (called for every request that got a token, every step)."""
+        """A snapshot of the request, or with ``delta`` what is new since the previous one (called for
+        every request that got a token, every step)."""
         children = self.children
         first = children[0].request
         finished = self.finished
-        if len(children) == 1:
+        prompt_logprobs = first.prompt_logprobs
+        if self.delta:
+            # The sequences that gained something, in index order.
+            outputs = [d for c in children if (d := c.completion_delta()) is not None]
+            if len(outputs) > 1:
+                outputs.sort(key=lambda o: o.index)
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            self.prompt_logprobs_sent = True
+        elif len(children) == 1:
             outputs = [children[0].completion()]
-            first_token_time, last_token_time = first.first_token_time, first.last_token_time
         else:
             outputs = sorted((c.completion() for c in children), key=lambda o: o.index)
-            first_token_time = min(
-                (c.request.first_token_time for c in children if c.request.first_token_time), default=None
-            )
-            last_token_time = max(
-                (c.request.last_token_time for c in children if c.request.last_token_time), default=None
-            )
+        first_token_time, last_token_time = self._token_times()
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
@@ -109,9 +150,18 @@ class ParentState:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            prompt_logprobs=first.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             metrics=metrics,
         )
+
+    def _token_times(self) -> tuple[float | None, float | None]:
+        """The first token time of the request's sequences, and their latest token time."""
+        reqs = [c.request for c in self.children]
+        if len(reqs) == 1:
+            return reqs[0].first_token_time, reqs[0].last_token_time
+        first = min((r.first_token_time for r in reqs if r.first_token_time), default=None)
+        last = max((r.last_token_time for r in reqs if r.last_token_time), default=None)
+        return first, last
 
 
 class OutputProcessor:
@@ -154,6 +204,7 @@ class OutputProcessor:
             first.prompt_token_ids,
             first.arrival_time,
             final_only=first.params.output_kind is RequestOutputKind.FINAL_ONLY,
+            delta=first.params.output_kind is RequestOutputKind.DELTA,
         )
         for req in children:
             stops = req.params.stop or []

@@ -8,7 +8,7 @@ import sys
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.sampling_seed,
+            output_kind=RequestOutputKind.DELTA,  # each output holds the text to print next
         )
         engine = LLMEngine.from_config(EngineConfig.from_cli_args(args))
         prompt = args.prompt
@@ -40,12 +41,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    printed = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
+            for completion in out.outputs:
+                sys.stdout.write(completion.text)
             sys.stdout.flush()
-            printed = len(text)
     sys.stdout.write("\n")
     return 0

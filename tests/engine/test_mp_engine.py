@@ -6,6 +6,7 @@ prefix-aware router."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -22,11 +23,11 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, prompt_block_hashes
 from pagedllm.engine.core_protocol import AddRequest, Codec, CoreOutputs
 from pagedllm.engine.dp_router import PrefixRouter
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.engine.output_deltas import DeltaAccumulator, DeltaEncoder
+from pagedllm.engine.output_deltas import OutputAccumulator, OutputDecoder, encode_output
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 ENGINE_ARGS: dict[str, Any] = {"max_model_len": 1024, "num_kv_blocks": 256}
 PROMPTS = [
@@ -108,42 +109,48 @@ def test_codec_round_trips_requests_and_outputs() -> None:
 
 
 def test_deltas_rebuild_the_cumulative_outputs() -> None:
-    """Cumulative snapshots -> deltas -> accumulated snapshots gives back the snapshots, with each
-    delta carrying only what is new."""
-    encoder = DeltaEncoder()
-    acc = DeltaAccumulator("r", "p", [9, 9], n=2)
+    """Delta outputs -> messages -> decoded and accumulated outputs gives back the cumulative
+    snapshots, with each message carrying only what is new."""
+    codec = Codec()
     texts = [["He", "Hello", "Hello wor", "Hello world"], ["A", "AB", "AB", "ABC"]]
-    snapshots = []
+    snapshots, deltas = [], []
+    prompt_logprobs = [None, {9: Logprob(-1.0)}]
     for step in range(4):
-        outs = []
+        outs, news = [], []
         for i in range(2):
             ids = list(range(step + 1 + i))
-            outs.append(
+            logprobs = [{t: Logprob(-0.5, 1, str(t))} for t in ids]
+            done = "length" if step == 3 else None
+            outs.append(CompletionOutput(i, texts[i][step], ids, -float(step), logprobs, done))
+            old_ids = len(ids) - 1 if step else 0
+            old_text = len(texts[i][step - 1]) if step else 0
+            news.append(
                 CompletionOutput(
-                    index=i,
-                    text=texts[i][step],
-                    token_ids=ids,
-                    cumulative_logprob=-float(step),
-                    logprobs=[{t: Logprob(-0.5, 1, str(t))} for t in ids],
-                    finish_reason="length" if step == 3 else None,
+                    i, texts[i][step][old_text:], ids[old_ids:], -float(step), logprobs[old_ids:], done
                 )
             )
         snapshots.append(
-            RequestOutput(
-                "r", "p", [9, 9], outs, finished=step == 3, prompt_logprobs=[None, {9: Logprob(-1.0)}]
-            )
+            RequestOutput("r", "p", [9, 9], outs, finished=step == 3, prompt_logprobs=prompt_logprobs)
         )
+        first = prompt_logprobs if step == 0 else None
+        deltas.append(RequestOutput("r", "p", [9, 9], news, finished=step == 3, prompt_logprobs=first))
+    decoder = OutputDecoder("p", [9, 9], OutputAccumulator(2))
     rebuilt = []
-    for snap in snapshots:
-        delta = encoder.delta(snap)
-        assert sum(len(c.token_ids) for c in delta.completions) <= 2 or snap is snapshots[0]
-        rebuilt.append(acc.apply(delta, offset=0.0))
+    for delta in deltas:
+        message = codec.from_core.decode(codec.encode(CoreOutputs(0, 0.0, deltas=[encode_output(delta)])))
+        (sent,) = message.deltas
+        assert sum(len(c.token_ids) for c in sent.completions) <= 2 or delta is deltas[0]
+        rebuilt.append(decoder.output(sent, offset=0.0))
     for want, got in zip(snapshots, rebuilt, strict=True):
         assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
         assert [c.logprobs for c in got.outputs] == [c.logprobs for c in want.outputs]
         assert got.finished == want.finished and got.prompt_logprobs == want.prompt_logprobs
-    assert not encoder.sent, "a finished request's state is forgotten"
+    # Without an accumulator the front-end hands the deltas on as they came.
+    plain = OutputDecoder("p", [9, 9], None).output(encode_output(deltas[1]), offset=0.0)
+    assert [(c.text, c.token_ids) for c in plain.outputs] == [
+        (c.text, c.token_ids) for c in deltas[1].outputs
+    ]
 
 
 def test_router_hashes_match_the_kv_cache_managers() -> None:
@@ -215,6 +222,67 @@ def test_multiprocess_outputs_equal_in_process(mp_llm: LLM, local_llm: LLM) -> N
     assert tokens(mp_llm.chat(chat, greedy, use_tqdm=False)) == tokens(
         local_llm.chat(chat, greedy, use_tqdm=False)
     )
+    mp_llm.llm_engine.check_idle()
+
+
+def run_each_kind(engine: Any, params: SamplingParams, kinds: list[RequestOutputKind]) -> dict[tuple, list]:
+    """Every output of each prompt asked with each kind, all in one batch."""
+    seen: dict[tuple, list[RequestOutput]] = {}
+    for i, prompt in enumerate(PROMPTS[:2]):
+        for kind in kinds:
+            seen[i, kind] = []
+            engine.add_request(f"{kind.name}-{i}", prompt, dataclasses.replace(params, output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = int(out.request_id.rsplit("-", 1)[1])
+            seen[i, RequestOutputKind[out.request_id.rsplit("-", 1)[0]]].append(out)
+    return seen
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(mp_llm: LLM, local_llm: LLM) -> None:
+    """DELTA outputs, in this process and from core processes, add up to the cumulative outputs
+    (text, token ids, logprobs, cumulative logprob, finish): greedy and seeded sampling, two
+    sequences, stop strings (whose possible beginnings are held back, never sent then taken back).
+    Across processes cumulative outputs are added up from deltas by the front-end: they equal this
+    process's."""
+    stop = [", ", "the "]
+    cases = [
+        SamplingParams(temperature=0, n=2, max_tokens=20, stop=stop, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=20, stop=stop, logprobs=2),
+    ]
+    kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA]
+    stopped = set()
+    for params in cases:
+        by_engine = [run_each_kind(llm.llm_engine, params, kinds) for llm in (local_llm, mp_llm)]
+        for seen in by_engine:
+            for i in range(2):
+                cumulative, deltas = seen[i, RequestOutputKind.CUMULATIVE], seen[i, RequestOutputKind.DELTA]
+                acc = OutputAccumulator(params.n)
+                for k, delta in enumerate(deltas):
+                    assert delta.finished == (k == len(deltas) - 1)
+                    assert (delta.prompt_logprobs is not None) == (
+                        k == 0 and params.prompt_logprobs is not None
+                    )
+                    total = acc.add(delta)
+                want = cumulative[-1]
+                assert total.finished and want.finished
+                assert [
+                    (c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                    for c in total.outputs
+                ] == [
+                    (c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                    for c in want.outputs
+                ]
+                assert total.prompt_logprobs == want.prompt_logprobs
+                finishes = [c.index for d in deltas for c in d.outputs if c.finish_reason is not None]
+                assert sorted(finishes) == list(range(params.n)), "each sequence's finish comes once"
+                stopped.update(c.stop_reason for c in want.outputs if isinstance(c.stop_reason, str))
+        local, remote = by_engine
+        for key in local:
+            assert [c.token_ids for c in local[key][-1].outputs] == [
+                c.token_ids for c in remote[key][-1].outputs
+            ]
+    assert stopped, "no case ended on a stop string"
     mp_llm.llm_engine.check_idle()
 
 

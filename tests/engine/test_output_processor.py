@@ -6,10 +6,12 @@ feeds them (``process_token``, then one snapshot per request that got a token), 
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 
+from pagedllm.engine.output_deltas import OutputAccumulator, merge_deltas
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.request import Request, RequestStatus
@@ -368,3 +370,40 @@ def test_final_only_gives_the_cumulative_final_output(kwargs: dict, scripts: lis
 
     assert fields(finals[0]) == fields(cumulative[-1])
     assert [o.index for o in finals[0].outputs] == list(range(len(scripts)))
+
+
+@pytest.mark.parametrize(("kwargs", "scripts"), SCRIPTS)
+def test_delta_outputs_add_up_to_the_cumulative_ones(kwargs: dict, scripts: list[list[str]]) -> None:
+    """DELTA outputs, one per step as cumulative ones, carry only what is new: added up, every one
+    gives the cumulative snapshot of its step (text held back for a stop string included, so no
+    delta is ever taken back); each sequence's finish comes once, the prompt logprobs first."""
+    kwargs = dict(kwargs, logprobs=1, prompt_logprobs=0)
+    cumulative = run_siblings(RequestOutputKind.CUMULATIVE, kwargs, scripts)
+    deltas = run_siblings(RequestOutputKind.DELTA, kwargs, scripts)
+    assert len(deltas) == len(cumulative)
+    acc = OutputAccumulator(len(scripts))
+
+    def fields(out: RequestOutput) -> list[tuple]:
+        # A cumulative snapshot's logprobs are the sequence's own list, which later steps extend.
+        return [
+            (o.index, o.text, o.token_ids, (o.logprobs or [])[: len(o.token_ids)], o.cumulative_logprob)
+            + (o.finish_reason, o.stop_reason)
+            for o in out.outputs
+        ]
+
+    sent_tokens = [0] * len(scripts)
+    for step, (delta, want) in enumerate(zip(deltas, cumulative, strict=True)):
+        assert (delta.prompt_logprobs is not None) == (step == 0)
+        for c in delta.outputs:
+            assert len(c.token_ids) <= 1 and c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+            sent_tokens[c.index] += len(c.token_ids)
+        got = acc.add(delta)
+        assert fields(got) == fields(want) and got.finished == want.finished
+        assert got.prompt_logprobs == want.prompt_logprobs
+    finishes = [c.index for d in deltas for c in d.outputs if c.finish_reason is not None]
+    assert sorted(finishes) == list(range(len(scripts))), "each sequence's finish comes once"
+    assert sent_tokens == [len(c.token_ids) for c in cumulative[-1].outputs]
+    # A caller that fell behind gets the deltas queued for it merged into one: the same in the end.
+    merged = functools.reduce(merge_deltas, deltas)
+    assert merged.prompt_logprobs == deltas[0].prompt_logprobs and merged.finished
+    assert fields(OutputAccumulator(len(scripts)).add(merged)) == fields(got)

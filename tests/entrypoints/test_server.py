@@ -640,7 +640,8 @@ class ScriptedTokenizer:
 
 
 class ScriptedEngine:
-    """Generates "a" per step per request; at most ``max_running`` run, the rest wait.
+    """Generates "a" per step per request (cumulative outputs, or the one new "a" for DELTA); at
+    most ``max_running`` run, the rest wait.
 
     ``fail_at_step`` makes the n-th step raise, as a crashing model would.
     """
@@ -682,9 +683,12 @@ class ScriptedEngine:
             ids, params, out = self.requests[rid]
             out.append(ord("a"))
             done = len(out) >= (params.max_tokens or 1)
-            completion = CompletionOutput(
-                0, "a" * len(out), list(out), None, None, "length" if done else None
-            )
+            if params.output_kind is RequestOutputKind.DELTA:  # what this step adds
+                completion = CompletionOutput(0, "a", [ord("a")], None, None, "length" if done else None)
+            else:
+                completion = CompletionOutput(
+                    0, "a" * len(out), list(out), None, None, "length" if done else None
+                )
             outputs.append(RequestOutput(rid, None, ids, [completion], done))
             if done:
                 del self.requests[rid]
@@ -900,7 +904,7 @@ def test_http_scripted_streams_carry_every_character() -> None:
     """Streams over HTTP with the scripted engine: every generated character arrives once, in
     order, for chat and completions, and the last chunk finishes (text chunks after the first are
     written from a template, see ``test_text_chunk_events_match_the_models_json``). Streamed
-    requests ask the engine for cumulative outputs, the others for the final one only."""
+    requests ask the engine for delta outputs, the others for the final one only."""
     from fastapi.testclient import TestClient
 
     fake = ScriptedEngine()
@@ -923,4 +927,4 @@ def test_http_scripted_streams_carry_every_character() -> None:
             assert (text, finishes) == ("a" * 7, ["length"]), path
             http.post(path, json={**body, "max_tokens": 3})
     # Streams need every step's output; a response that is not streamed only the final one.
-    assert fake.output_kinds == [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY] * 2
+    assert fake.output_kinds == [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY] * 2

@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -28,46 +27,33 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
-from pagedllm.entrypoints.openai.serving_engine import (
-    OpenAIError,
-    OpenAIServing,
-    error_from_exception,
-)
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
+from pagedllm.entrypoints.openai.serving_generate import GenerationServing, StreamUsage
 from pagedllm.entrypoints.openai.streaming import (
     SSE_DONE,
-    SSEResponse,
     TextChunkEvents,
     run_until_disconnected,
     sse_error,
     sse_event,
-    streamable_length,
 )
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass
-class _ChoiceState:
-    sent_chars: int = 0
-    sent_tokens: int = 0
-    done: bool = False
-
-
-def _usage(out: RequestOutput | None, prompt_len: int) -> UsageInfo:
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
-    prompt_tokens = len(out.prompt_token_ids) if out is not None else prompt_len
+def _usage(out: RequestOutput) -> UsageInfo:
+    """The usage of a final output."""
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    prompt_tokens = len(out.prompt_token_ids)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokenUsageInfo(
-            cached_tokens=out.num_cached_tokens if out is not None else 0
-        ),
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=out.num_cached_tokens),
     )
 
 
-class OpenAIServingChat(OpenAIServing):
+class OpenAIServingChat(GenerationServing):
     """Handles the chat completions endpoint.
 
     ``tool_parser`` and ``enable_auto_tool_choice`` serve ``tool_choice="auto"``;
@@ -165,30 +151,21 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = self._reasoning_for(prompt_ids)
         params = self._gate_constraint(params, reasoning)
 
-        try:
-            outputs = await self.engine.add_request(engine_id, prompt_ids, params, request.priority)
-        except Exception as exc:
-            self.engine.abort(engine_id)
-            raise error_from_exception(exc, aliases) from None
-        except BaseException:
-            self.engine.abort(engine_id)
-            raise
-
         created = int(time.time())
-        if request.stream:
-            return SSEResponse(
-                self._stream(request, request_id, created, params, len(prompt_ids), outputs, plan, reasoning),
-                on_close=lambda: self.engine.abort(engine_id),
+        return await self.generate_response(
+            raw_request,
+            [(engine_id, prompt_ids, params)],
+            priority=request.priority,
+            aliases=aliases,
+            stream=(
+                lambda outputs: self._stream(
+                    request, request_id, created, len(prompt_ids), outputs[0], plan, reasoning
+                )
             )
-        try:
-            completed, final = await run_until_disconnected(raw_request, self._collect(outputs))
-        except Exception as exc:
-            raise error_from_exception(exc, aliases) from None
-        finally:
-            self.engine.abort(engine_id)
-        if not completed or final is None:
-            return Response(status_code=499)
-        return JSONResponse(self._response(request, request_id, created, final, plan, reasoning).model_dump())
+            if request.stream
+            else None,
+            respond=lambda finals: self._response(request, request_id, created, finals[0], plan, reasoning),
+        )
 
     async def _beam_search(
         self,
@@ -233,14 +210,6 @@ class OpenAIServingChat(OpenAIServing):
         )
         return JSONResponse(response.model_dump())
 
-    @staticmethod
-    async def _collect(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-        final: RequestOutput | None = None
-        async for out in outputs:
-            final = out
-        assert final is not None
-        return final
-
     def _response(
         self,
         request: ChatCompletionRequest,
@@ -278,7 +247,7 @@ class OpenAIServingChat(OpenAIServing):
             created=created,
             model=self.model_name,
             choices=choices,
-            usage=_usage(final, len(final.prompt_token_ids)),
+            usage=_usage(final),
             prompt_logprobs=(
                 self.prompt_logprobs(final.prompt_logprobs) if request.prompt_logprobs is not None else None
             ),
@@ -289,18 +258,19 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         request_id: str,
         created: int,
-        params: SamplingParams,
         prompt_len: int,
         outputs: AsyncIterator[RequestOutput],
         plan: ToolPlan,
         reasoning: Callable[[], ReasoningParser] | None,
     ) -> AsyncIterator[str]:
+        """The events of the request's delta outputs: each choice's role first, then its new text
+        (split by the tool and reasoning parsers, which keep the text they have seen), with its
+        logprobs, and its finish in its last chunk."""
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(
             request.stream_options and request.stream_options.continuous_usage_stats
         )
-        stop: list[str] = params.stop  # type: ignore[assignment]
-        latest: RequestOutput | None = None
+        usage = StreamUsage([prompt_len])
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
@@ -308,7 +278,7 @@ class OpenAIServingChat(OpenAIServing):
                 created=created,
                 model=self.model_name,
                 choices=[choice],
-                usage=_usage(latest, prompt_len) if continuous else None,
+                usage=usage.info() if continuous else None,
             )
             return sse_event(body.model_dump_json())
 
@@ -327,7 +297,6 @@ class OpenAIServingChat(OpenAIServing):
                         index=i, delta=DeltaMessage(role="assistant", content="")
                     )
                 )
-            states = [_ChoiceState() for _ in range(request.n)]
             # Plain text streams as it is; with a tool or reasoning parser it is split first.
             splitters = (
                 [ChoiceOutput(plan.new_parser(), reasoning, parallel=plan.parallel) for _ in range(request.n)]
@@ -335,31 +304,20 @@ class OpenAIServingChat(OpenAIServing):
                 else None
             )
             async for out in outputs:
-                latest = out
+                usage.add(0, out)
                 for c in out.outputs:
-                    st = states[c.index]
-                    if st.done:
-                        continue
                     finished = c.finish_reason is not None
-                    end = streamable_length(c.text, finished, stop)
-                    delta = c.text[st.sent_chars : end] if end > st.sent_chars else ""
-                    new_tokens = c.token_ids[st.sent_tokens :]
                     logprobs = None
-                    if request.logprobs and new_tokens:
+                    if request.logprobs and c.token_ids:
                         logprobs = ChatCompletionLogProbs(
-                            content=self.chat_logprobs(
-                                new_tokens, (c.logprobs or [])[st.sent_tokens :], request.top_logprobs or 0
-                            )
+                            content=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
                         )
-                    st.sent_tokens = len(c.token_ids)
-                    if not (delta or finished or logprobs is not None):
+                    if not (c.text or finished or logprobs is not None):
                         continue
-                    st.sent_chars = max(st.sent_chars, end)
-                    st.done = finished
-                    finish_reason = c.finish_reason if finished else None
+                    finish_reason = c.finish_reason
                     if splitters is not None:
                         splitter = splitters[c.index]
-                        piece = splitter.feed(delta) if delta else ChoiceDelta()
+                        piece = splitter.feed(c.text) if c.text else ChoiceDelta()
                         if finished:
                             last = splitter.finish()
                             piece.content += last.content
@@ -379,29 +337,25 @@ class OpenAIServingChat(OpenAIServing):
                                 ),
                                 logprobs=logprobs,
                                 finish_reason=finish_reason,
-                                stop_reason=c.stop_reason if finished else None,
+                                stop_reason=c.stop_reason,
                             )
                         )
                         continue
                     if not (finished or continuous or logprobs is not None):
-                        yield text_events.event(c.index, delta)
+                        yield text_events.event(c.index, c.text)
                         continue
                     yield chunk(
                         ChatCompletionResponseStreamChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=delta),
+                            delta=DeltaMessage(content=c.text),
                             logprobs=logprobs,
                             finish_reason=finish_reason,
-                            stop_reason=c.stop_reason if finished else None,
+                            stop_reason=c.stop_reason,
                         )
                     )
             if include_usage:
                 final = ChatCompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[],
-                    usage=_usage(latest, prompt_len),
+                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage.info()
                 )
                 yield sse_event(final.model_dump_json())
         except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started

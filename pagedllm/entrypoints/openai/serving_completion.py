@@ -21,21 +21,19 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
-    OpenAIServing,
     context_length_error,
     error_from_exception,
 )
+from pagedllm.entrypoints.openai.serving_generate import GenerationServing, StreamUsage
 from pagedllm.entrypoints.openai.streaming import (
     SSE_DONE,
-    SSEResponse,
     TextChunkEvents,
     merge_async_iterators,
     run_until_disconnected,
     sse_error,
     sse_event,
-    streamable_length,
 )
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import Logprob, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -47,14 +45,13 @@ class _Prompt:
 
 @dataclass
 class _ChoiceState:
-    sent_chars: int = 0
-    sent_tokens: int = 0
+    """What a streamed choice has sent: its echoed prompt, and its text's length (logprob offsets)."""
+
     text_offset: int = 0
     echoed: bool = False
-    done: bool = False
 
 
-class OpenAIServingCompletion(OpenAIServing):
+class OpenAIServingCompletion(GenerationServing):
     """Handles the legacy completions endpoint."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
@@ -90,34 +87,21 @@ class OpenAIServingCompletion(OpenAIServing):
 
         # The response echoes the client's id; the engine keys each prompt by an id of its own.
         engine_base = random_id("cmpl")
-        request_ids = [f"{engine_base}-{i}" for i in range(len(prompts))]
-        iterators: list[AsyncIterator[RequestOutput]] = []
-        try:
-            for rid, p, sp in zip(request_ids, prompts, params, strict=True):
-                iterators.append(await self.engine.add_request(rid, p.token_ids, sp, request.priority))
-        except Exception as exc:
-            self.engine.abort(request_ids)
-            raise error_from_exception(exc, aliases) from None
-        except BaseException:
-            self.engine.abort(request_ids)
-            raise
-
+        requests = [
+            (f"{engine_base}-{i}", p.token_ids, sp)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
         created = int(time.time())
-        if request.stream:
-            return SSEResponse(
-                self._stream(request, base_id, created, prompts, params, iterators),
-                on_close=lambda: self.engine.abort(request_ids),
-            )
-        try:
-            completed, finals = await run_until_disconnected(raw_request, self._collect(iterators))
-        except Exception as exc:
-            raise error_from_exception(exc, aliases) from None
-        finally:
-            self.engine.abort(request_ids)
-        if not completed or finals is None:
-            return Response(status_code=499)
-        response = self._response(request, base_id, created, prompts, finals)
-        return JSONResponse(response.model_dump())
+        return await self.generate_response(
+            raw_request,
+            requests,
+            priority=request.priority,
+            aliases=aliases,
+            stream=(lambda outputs: self._stream(request, base_id, created, prompts, outputs))
+            if request.stream
+            else None,
+            respond=lambda finals: self._response(request, base_id, created, prompts, finals),
+        )
 
     async def _beam_search(
         self,
@@ -189,14 +173,6 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------------ full response
 
-    @staticmethod
-    async def _collect(iterators: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(iterators)
-        async for i, out in merge_async_iterators(*iterators):
-            finals[i] = out
-        assert all(f is not None for f in finals)
-        return finals  # type: ignore[return-value]
-
     def _response(
         self,
         request: CompletionRequest,
@@ -215,7 +191,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if request.logprobs is not None:
                     token_ids, steps = self._logprob_steps(
-                        request, prompt, out, c.token_ids, c.logprobs, True
+                        request, prompt, out.prompt_logprobs, c.token_ids, c.logprobs, True
                     )
                     logprobs = self.completion_logprobs(token_ids, steps, request.logprobs, 0)
                 choices.append(
@@ -237,7 +213,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _logprob_steps(
         request: CompletionRequest,
         prompt: _Prompt,
-        out: RequestOutput,
+        prompt_logprobs: PromptLogprobs | None,
         token_ids: list[int],
         logprobs: list[dict[int, Logprob]] | None,
         with_prompt: bool,
@@ -245,7 +221,7 @@ class OpenAIServingCompletion(OpenAIServing):
         steps: list[dict[int, Logprob] | None] = list(logprobs or [])
         if not (request.echo and with_prompt):
             return token_ids, steps
-        prompt_steps: list[dict[int, Logprob] | None] = list(out.prompt_logprobs or [])
+        prompt_steps: list[dict[int, Logprob] | None] = list(prompt_logprobs or [])
         prompt_steps += [None] * (len(prompt.token_ids) - len(prompt_steps))
         return prompt.token_ids + token_ids, prompt_steps[: len(prompt.token_ids)] + steps
 
@@ -270,11 +246,14 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         created: int,
         prompts: list[_Prompt],
-        params: list[SamplingParams],
-        iterators: list[AsyncIterator[RequestOutput]],
+        outputs: list[AsyncIterator[RequestOutput]],
     ) -> AsyncIterator[str]:
+        """The events of the requests' delta outputs: each choice's new text (after its echoed
+        prompt, first), with its logprobs, and its finish in its last chunk."""
         states: dict[int, _ChoiceState] = {}
-        latest: dict[int, RequestOutput] = {}
+        # Each prompt's logprobs, which its first output carries (for echoed choices' logprobs).
+        prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
+        usage = StreamUsage([0] * len(prompts))
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(
             request.stream_options and request.stream_options.continuous_usage_stats
@@ -288,31 +267,22 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         )
         try:
-            async for pi, out in merge_async_iterators(*iterators):
-                latest[pi] = out
+            async for pi, out in merge_async_iterators(*outputs):
+                usage.add(pi, out)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[pi] = out.prompt_logprobs
                 prompt = prompts[pi]
-                stop = params[pi].stop  # type: ignore[assignment]
                 for c in out.outputs:
                     index = pi * request.n + c.index
                     st = states.setdefault(index, _ChoiceState())
-                    if st.done:
-                        continue
                     finished = c.finish_reason is not None
-                    end = streamable_length(c.text, finished, stop)  # type: ignore[arg-type]
-                    delta = c.text[st.sent_chars : end] if end > st.sent_chars else ""
-                    new_tokens = c.token_ids[st.sent_tokens :]
                     echo_text = ""
                     if request.echo and not st.echoed:
                         echo_text = self._prompt_text(prompt, out)
                     logprobs: CompletionLogProbs | None = None
-                    if request.logprobs is not None and (new_tokens or not st.echoed):
+                    if request.logprobs is not None and (c.token_ids or not st.echoed):
                         token_ids, steps = self._logprob_steps(
-                            request,
-                            prompt,
-                            out,
-                            new_tokens,
-                            (c.logprobs or [])[st.sent_tokens :],
-                            not st.echoed,
+                            request, prompt, prompt_logprobs[pi], c.token_ids, c.logprobs, not st.echoed
                         )
                         logprobs = self.completion_logprobs(
                             token_ids, steps, request.logprobs, st.text_offset
@@ -320,13 +290,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         if logprobs.tokens:
                             st.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     st.echoed = True
-                    st.sent_tokens = len(c.token_ids)
-                    if not (delta or echo_text or finished or (logprobs is not None and logprobs.tokens)):
+                    if not (c.text or echo_text or finished or (logprobs is not None and logprobs.tokens)):
                         continue
-                    st.sent_chars = max(st.sent_chars, end)
-                    st.done = finished
                     if not (finished or continuous or logprobs is not None or echo_text):
-                        yield text_events.event(index, delta)
+                        yield text_events.event(index, c.text)
                         continue
                     chunk = CompletionStreamResponse(
                         id=request_id,
@@ -335,22 +302,18 @@ class OpenAIServingCompletion(OpenAIServing):
                         choices=[
                             CompletionResponseChoice(
                                 index=index,
-                                text=echo_text + delta,
+                                text=echo_text + c.text,
                                 logprobs=logprobs,
-                                finish_reason=c.finish_reason if finished else None,
-                                stop_reason=c.stop_reason if finished else None,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
                             )
                         ],
-                        usage=self._usage(list(latest.values())) if continuous else None,
+                        usage=usage.info() if continuous else None,
                     )
                     yield sse_event(chunk.model_dump_json())
             if include_usage:
                 final = CompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[],
-                    usage=self._usage([latest[i] for i in sorted(latest)]),
+                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage.info()
                 )
                 yield sse_event(final.model_dump_json())
         except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started

@@ -332,8 +332,9 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 structured_outputs=structured,
-                # A response that is not streamed needs only the final output.
-                output_kind=RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY,
+                # A stream writes what each step adds; a response that is not streamed needs only the
+                # final output.
+                output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
             )
         except (ValueError, TypeError) as exc:
             raise error_from_exception(as_request_error(exc), aliases) from None

@@ -1,5 +1,5 @@
-"""Streaming for the OpenAI endpoints: server-sent events, how much of a running output to stream,
-merged async iterators and client-disconnect handling."""
+"""Streaming for the OpenAI endpoints: server-sent events, merged async iterators and
+client-disconnect handling."""
 
 from __future__ import annotations
 
@@ -129,23 +129,3 @@ class TextChunkEvents:
 
 def sse_error(err: OpenAIError) -> str:
     return sse_event(err.to_body().model_dump_json())
-
-
-def streamable_length(text: str, finished: bool, stop: list[str] | None) -> int:
-    """How much of a cumulative output text can be streamed without ever taking it back.
-
-    While a request runs, a tail that could still grow into a stop string (which the final text
-    leaves out) and a trailing replacement character (an incomplete UTF-8 sequence) are held back.
-    """
-    if finished:
-        return len(text)
-    end = len(text)
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    held = 0
-    for s in stop or []:
-        for k in range(min(len(s) - 1, end), held, -1):
-            if text.endswith(s[:k], 0, end):
-                held = k
-                break
-    return end - held
