@@ -98,7 +98,7 @@ class EngineConfig:
     swap_space: float = 0.0
     preemption_mode: str = "auto"
     # Step-time target: prefill chunks are sized so that a step's predicted time stays under it (see
-    # pagedllm.core.step_budget). None: the device's default (200 ms on CPU, off on GPU); 0: off.
+    # pagedllm.sched.step_budget). None: the device's default (200 ms on CPU, off on GPU); 0: off.
     max_step_time_ms: float | None = None
 
     def __post_init__(self) -> None:

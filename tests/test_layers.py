@@ -2,7 +2,7 @@
 
 Layers, top to bottom (docs/ARCHITECTURE.md):
 
-    entrypoints  ->  engine  ->  core, worker, distributed  ->  model, sample, structured  ->  attention
+    entrypoints  ->  engine  ->  sched, worker, distributed  ->  model, sample, structured  ->  attention
     ->  kernels
 
 A module may import its own package, any package below it, and packages beside it in the same layer as
@@ -12,13 +12,17 @@ Every import counts, including those inside functions and under ``TYPE_CHECKING`
 one layer, only the arrows listed in ``SAME_LAYER_ARROWS`` (the ones there are) may exist, and no
 other pair both ways: a new one is a decision to write down there and in docs/ARCHITECTURE.md.
 
+Inside ``engine`` the rooms point one way: the loop and its processors (``pagedllm.engine.*``) never
+import the processes' transport (``engine.proc``), and ``engine.observe`` imports nothing else of the
+engine.
+
 No module imports another module's ``_private`` name (``KNOWN_PRIVATE_IMPORTS`` lists the ones that
 remain to be made public).
 
-Only ``core`` (scheduling: queues, blocks, request counts) and ``engine`` (the step loop, inputs and
+Only ``sched`` (scheduling: queues, blocks, request counts) and ``engine`` (the step loop, inputs and
 outputs) write ``Request`` attributes (``pagedllm/request.py`` says which room writes which field); every
 other room reads them. The check is a practical approximation, per module that imports from
-``pagedllm.request`` or ``pagedllm.core.scheduler`` (the ways to reach a request): an expression is
+``pagedllm.request`` or ``pagedllm.sched.scheduler`` (the ways to reach a request): an expression is
 taken for a request when it is a name annotated ``Request`` (or ``Request | None``), bound by
 ``Request(...)`` or by ``x = <...>.request``, bound by a ``for`` over a name annotated as a collection
 of ``Request``, or named ``request``, ``req`` or ``shadow``; or an attribute ``.request`` or ``.shadow``
@@ -42,7 +46,7 @@ BENCH_PACKAGE = PACKAGE.parent / "benchmarks" / "pagedllm_bench"
 LAYERS: list[set[str]] = [
     {"__init__", "__main__", "entrypoints"},
     {"engine"},
-    {"core", "worker", "distributed"},
+    {"sched", "worker", "distributed"},
     {"model", "sample", "spec", "structured"},
     {"attention"},
     {"kernels"},
@@ -55,16 +59,16 @@ SAME_LAYER_ARROWS = {
     ("__init__", "entrypoints"),
     ("__main__", "entrypoints"),
     ("entrypoints", "__init__"),
-    ("worker", "core"),
+    ("worker", "sched"),
     ("worker", "distributed"),
     ("spec", "sample"),
 }
 # ``_private`` names still imported by other modules: (importing module, module.name). Only shrinks.
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 # Rooms that write ``Request`` attributes (besides ``pagedllm/request.py`` itself).
-REQUEST_WRITERS = {"core", "engine"}
+REQUEST_WRITERS = {"sched", "engine"}
 # Modules that import from these reach requests (the type, or a scheduler output's rows).
-REQUEST_SOURCES = {"pagedllm.request", "pagedllm.core.scheduler"}
+REQUEST_SOURCES = {"pagedllm.request", "pagedllm.sched.scheduler"}
 REQUEST_NAMES = {"request", "req", "shadow"}  # names taken for a request in such modules
 REQUEST_ATTRIBUTES = {"request", "shadow"}  # attributes holding one (ScheduledRequest, DraftState)
 MUTATING_METHODS = {
@@ -259,6 +263,38 @@ def test_arrows_within_a_layer_are_pinned() -> None:
     assert not both_ways, f"a pair of packages importing each other: {sorted(both_ways)}"
 
 
+# Inside ``engine``: the loop and its processors (``pagedllm.engine.*``) run in any process and never
+# reach for the processes' transport (``engine.proc``); what the engine tells about itself
+# (``engine.observe``) depends on nothing else of the engine.
+ENGINE_ROOMS = ("proc", "observe")
+
+
+def _engine_room(module: str) -> str | None:
+    """``loop``, ``proc`` or ``observe`` for a module of ``pagedllm.engine`` (None elsewhere)."""
+    parts = module.split(".")
+    if parts[:2] != ["pagedllm", "engine"]:
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in ENGINE_ROOMS else "loop"
+
+
+def _engine_breaches(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    breaches = set()
+    for module, targets in graph.items():
+        room = _engine_room(module)
+        for target in targets:
+            other = _engine_room(target)
+            if room is None or other is None or room == other:
+                continue
+            if (room, other) in {("loop", "proc"), ("observe", "loop"), ("observe", "proc")}:
+                breaches.add((module, target))
+    return breaches
+
+
+def test_engine_rooms_point_one_way() -> None:
+    breaches = _engine_breaches(_graph())
+    assert not breaches, sorted(breaches)
+
+
 def test_the_runtime_never_imports_the_benchmarks() -> None:
     """``pagedllm`` runs without ``pagedllm_bench`` installed: its ``bench`` subcommand names the
     package as a string and imports it only when run."""
@@ -410,7 +446,7 @@ def test_only_core_and_engine_write_requests() -> None:
 def test_layer_checks_catch_each_kind_of_breach() -> None:
     """Small synthetic sources: each check above flags its breach and lets the allowed form pass."""
     header = "from pagedllm.request import Request\n"
-    through_output = "from pagedllm.core.scheduler import SchedulerOutput\n"
+    through_output = "from pagedllm.sched.scheduler import SchedulerOutput\n"
     assert _request_writes(
         "pagedllm.worker.x",
         through_output + "def f(so):\n    for s in so.scheduled_requests:\n"
@@ -435,14 +471,26 @@ def test_layer_checks_catch_each_kind_of_breach() -> None:
     assert not _request_writes("pagedllm.worker.x", header + reads)
     assert not _request_writes("pagedllm.worker.x", "def f(request):\n    request.state = 1\n")  # no Request
     sources = {
-        "pagedllm.core.a": ("from pagedllm.worker.b import B\n", False),  # against the pinned direction
-        "pagedllm.worker.b": ("from pagedllm.core.c import C\nfrom pagedllm.core.a import _hidden\n", False),
-        "pagedllm.core.c": ("from . import a\nfrom .a import _own\n", False),
+        "pagedllm.sched.a": ("from pagedllm.worker.b import B\n", False),  # against the pinned direction
+        "pagedllm.worker.b": (
+            "from pagedllm.sched.c import C\nfrom pagedllm.sched.a import _hidden\n",
+            False,
+        ),
+        "pagedllm.sched.c": ("from . import a\nfrom .a import _own\n", False),
     }
     graph = _graph(sources)
-    assert _same_layer_arrows(graph) - SAME_LAYER_ARROWS == {("core", "worker")}
+    assert _same_layer_arrows(graph) - SAME_LAYER_ARROWS == {("sched", "worker")}
+    engine = {
+        "pagedllm.engine.loop_a": ("from pagedllm.engine.proc.client import C\n", False),
+        "pagedllm.engine.observe.m": ("from pagedllm.engine.loop_a import A\n", False),
+        "pagedllm.engine.proc.client": ("from pagedllm.engine.observe.m import M\n", False),
+    }
+    assert _engine_breaches(_graph(engine)) == {
+        ("pagedllm.engine.loop_a", "pagedllm.engine.proc.client"),
+        ("pagedllm.engine.observe.m", "pagedllm.engine.loop_a"),
+    }
     found = set().union(*(_private_imports(m, src, pkg) for m, (src, pkg) in sources.items()))
     assert found == {
-        ("pagedllm.worker.b", "pagedllm.core.a._hidden"),
-        ("pagedllm.core.c", "pagedllm.core.a._own"),
+        ("pagedllm.worker.b", "pagedllm.sched.a._hidden"),
+        ("pagedllm.sched.c", "pagedllm.sched.a._own"),
     }

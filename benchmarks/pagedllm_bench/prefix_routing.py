@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.sampling_params import SamplingParams
 from pagedllm_bench.common import (
     add_run_args,
@@ -364,7 +364,7 @@ def _run_one(
     warmup: bool,
     before_shutdown: Callable[[RunSpec, LLM], None] | None,
 ) -> RunResult:
-    from pagedllm.engine.mp_llm_engine import MPLLMEngine
+    from pagedllm.engine.proc.mp_llm_engine import MPLLMEngine
     from pagedllm.entrypoints.llm import LLM
 
     args = {**engine_args, "num_kv_blocks": spec.num_kv_blocks}

@@ -4,8 +4,8 @@
 acceptance future and an ``asyncio.Queue`` of outputs on the caller's loop, fed from the transport's
 thread with ``loop.call_soon_threadsafe``. The two transports are its subclasses:
 :class:`~pagedllm.engine.async_engine.AsyncLLMEngine` (an :class:`~pagedllm.engine.engine_core.EngineCore`
-on a thread of this process) and :class:`~pagedllm.engine.async_mp_engine.AsyncMPEngine` (engine
-cores in other processes, through a :class:`~pagedllm.engine.core_client.CoreClient`). A subclass
+on a thread of this process) and :class:`~pagedllm.engine.proc.async_mp_engine.AsyncMPEngine` (engine
+cores in other processes, through a :class:`~pagedllm.engine.proc.core_client.CoreClient`). A subclass
 sends adds and aborts (:meth:`AsyncEngineClient._send_add`, :meth:`AsyncEngineClient._send_abort`)
 and reports back with :meth:`AsyncEngineClient._accept`, :meth:`AsyncEngineClient._reject`,
 :meth:`AsyncEngineClient._dispatch` and :meth:`AsyncEngineClient._fail_everything`.
@@ -28,14 +28,14 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchRun
-from pagedllm.engine.core_protocol import EngineInfo
+from pagedllm.engine.delta_outputs import merge_deltas
 from pagedllm.engine.engine_checks import check_new_request_id, check_priority
 from pagedllm.engine.engine_core import EngineOutput
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.errors import EngineDeadError, RequestAbortedError
-from pagedllm.engine.metrics import EngineMetrics, RequestTimes
-from pagedllm.engine.output_deltas import merge_deltas
-from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.step_events import StepRecord
+from pagedllm.engine.observe.metrics import EngineMetrics, RequestTimes
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.observe.step_events import StepRecord
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -146,7 +146,7 @@ class AsyncEngineClient:
         """Abort requests the engine may hold (called with ``_lock`` held)."""
         raise NotImplementedError
 
-    # The dashboard's data (see :class:`~pagedllm.engine.engine_state.EngineStateAccess`).
+    # The dashboard's data (see :class:`~pagedllm.engine.observe.engine_state.EngineStateAccess`).
 
     @property
     def engine_ranks(self) -> list[int]:

@@ -29,10 +29,10 @@ from pagedllm.engine.engine_core import (
     SyncEngine,
     engine_info,
 )
-from pagedllm.engine.engine_state import EngineCall, EngineStateAccess
 from pagedllm.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
-from pagedllm.engine.metrics import EngineMetrics
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.engine_state import EngineCall, EngineStateAccess
+from pagedllm.engine.observe.metrics import EngineMetrics
+from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 

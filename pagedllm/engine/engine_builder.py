@@ -24,8 +24,6 @@ import os
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.engine_checks import check_speculative, resolve_step_time
 from pagedllm.engine.engine_tasks import EngineTask, GenerateTask, PoolingTask, injected_fault_step
 from pagedllm.engine.input_processor import InputLimits, InputProcessor
@@ -33,6 +31,8 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_processor import PoolingLimits, PoolingProcessor, resolve_task
 from pagedllm.model.generation_config import load_generation_defaults
 from pagedllm.model.pooling import PoolingConfig, resolve_pooling_config
+from pagedllm.sched.kv_cache_manager import KVCacheManager, uniform_sliding_window
+from pagedllm.sched.scheduler import Scheduler, SchedulerConfig
 from pagedllm.spec.config import SpeculativeConfig
 from pagedllm.spec.proposer import NgramProposer, Proposer
 from pagedllm.worker.draft_model import DraftModelProposer

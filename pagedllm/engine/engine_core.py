@@ -5,7 +5,7 @@ anything with its request and step methods) and is the only one that touches it,
 calls :meth:`EngineCore.run`. Other threads hand it commands with :meth:`EngineCore.submit`; what
 comes out goes to a :class:`CoreTransport`, the only part that differs between an engine served in
 this process (:class:`~pagedllm.engine.async_engine.AsyncLLMEngine`: a thread and the caller's event
-loops) and one served to other processes (:mod:`pagedllm.engine.core_process`: sockets).
+loops) and one served to other processes (:mod:`pagedllm.engine.proc.core_process`: sockets).
 
 The way in, for an :class:`AddCommand`:
 
@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pagedllm.engine.core_protocol import EngineInfo
-from pagedllm.engine.engine_state import EngineCall
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.errors import grammar_timeout_error, queue_full_error
-from pagedllm.engine.metrics import StatLogger
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.engine_state import EngineCall
+from pagedllm.engine.observe.metrics import StatLogger
+from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams

@@ -21,8 +21,6 @@ import os
 import time
 from typing import Protocol
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.engine_checks import check_new_request_id, check_sequence_ids
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
@@ -32,6 +30,8 @@ from pagedllm.outputs import EmbeddingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.kv_cache_manager import KVCacheManager
+from pagedllm.sched.scheduler import Scheduler
 from pagedllm.worker.executor_protocol import ModelExecutor
 from pagedllm.worker.phase_times import StepPhaseTimes
 

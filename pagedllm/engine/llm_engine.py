@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.engine_builder import EngineParts, build_engine_parts, log_engine_parts
 from pagedllm.engine.engine_checks import check_priority
 from pagedllm.engine.engine_tasks import FAULT_INJECTION_ENV
-from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.step_events import StepEvents
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.observe.step_events import StepEvents
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.pooling import PoolingConfig
 from pagedllm.model.tokenizer import render_chat
@@ -25,6 +24,7 @@ from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import StepSamples

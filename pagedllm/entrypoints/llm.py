@@ -44,7 +44,7 @@ class LLM:
         config = EngineConfig(model=model, **engine_args)
         self.llm_engine: LLMEngine
         if multiprocess:
-            from pagedllm.engine.mp_llm_engine import MPLLMEngine
+            from pagedllm.engine.proc.mp_llm_engine import MPLLMEngine
 
             # It offers the part of LLMEngine's interface that LLM and beam search use.
             self.llm_engine = cast(LLMEngine, MPLLMEngine(config, data_parallel_size, data_parallel_routing))

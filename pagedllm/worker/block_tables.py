@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedllm.core.kv_cache_manager import BlockTableChange
+from pagedllm.sched.kv_cache_manager import BlockTableChange
 
 
 @dataclass
@@ -21,7 +21,7 @@ class BlockTableRows:
     """Each request the scheduler has given a block table keeps a row of ``array`` holding it.
 
     The rows change only through :meth:`apply`, with a step's ``dropped_tables`` and
-    ``block_table_changes`` (:class:`pagedllm.core.scheduler.SchedulerOutput`): a dropped request
+    ``block_table_changes`` (:class:`pagedllm.sched.scheduler.SchedulerOutput`): a dropped request
     gives its row back; a change writes its ids at ``start`` and the table ends after them. A decode
     step appends at most one block to a table, so it copies one id, not every request's whole table.
     Invariant: ``array[row.index, :row.filled]`` is the table the changes describe; entries past

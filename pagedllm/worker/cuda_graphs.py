@@ -41,9 +41,9 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.step_inputs import DecodeInputs, StepInputBuilder
 
 logger = logging.getLogger(__name__)

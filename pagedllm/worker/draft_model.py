@@ -3,9 +3,9 @@ request's draft tokens, greedily, from a paged KV cache of its own.
 
 The draft runs on its own :class:`~pagedllm.worker.executor.Executor` (same device and dtype as the
 target; weights as ``speculative_config.quantization`` says, by default as its checkpoint stores
-them) and its own :class:`~pagedllm.core.kv_cache_manager.KVCacheManager` (no prefix cache). Each
+them) and its own :class:`~pagedllm.sched.kv_cache_manager.KVCacheManager` (no prefix cache). Each
 target request that gets drafts has a *shadow* request on the draft's pool, kept by
-:class:`~pagedllm.core.draft_shadows.ShadowRequests` (which alone writes it, and turns each draft
+:class:`~pagedllm.sched.draft_shadows.ShadowRequests` (which alone writes it, and turns each draft
 step into a scheduler output whose block-table changes the draft's runner applies).
 
 :meth:`DraftModelProposer.propose_all` (after each target step, for the requests that go on; it
@@ -33,15 +33,15 @@ from dataclasses import replace
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.draft_shadows import DraftState, ShadowRequests
-from pagedllm.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
-from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.gguf_loader import gguf_config, open_gguf
 from pagedllm.model.hf_loader import load_hf_config
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.request import Request
 from pagedllm.sample.sampler import NO_TOKEN, DeviceSamples
+from pagedllm.sched.draft_shadows import DraftState, ShadowRequests
+from pagedllm.sched.kv_cache_manager import KVCacheManager, uniform_sliding_window
+from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.spec.config import SpeculativeConfig, check_draft_vocab
 from pagedllm.spec.proposer import draft_limit
 from pagedllm.worker.cuda_graphs import graph_memory_estimate

@@ -18,8 +18,6 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.preemption import PreemptionCosts
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.kernels.cpu.linear import optimize_cpu_linears
 from pagedllm.model.bert import (
     BertEncoder,
@@ -31,6 +29,8 @@ from pagedllm.model.bert import (
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
+from pagedllm.sched.preemption import PreemptionCosts
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, to_device
 from pagedllm.worker.phase_times import StepPhaseTimes

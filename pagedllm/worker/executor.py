@@ -18,12 +18,12 @@ import torch
 
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.preemption import PreemptionCosts
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
 from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
+from pagedllm.sched.preemption import PreemptionCosts
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.cpu_memory import anonymous_resident_bytes, weight_memory
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype

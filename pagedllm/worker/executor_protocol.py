@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedllm.core.preemption import PreemptionCosts
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.bert import BertConfig
 from pagedllm.model.config import ModelConfig
+from pagedllm.sched.preemption import PreemptionCosts
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import RunnerOutput

@@ -11,7 +11,6 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.kernels.cpu.library import cpu_flags
 from pagedllm.kernels.cpu.linear import optimize_cpu_linears
 from pagedllm.kernels.cpu.quant import QuantizedWeight
@@ -27,6 +26,7 @@ from pagedllm.model.registry import model_class
 from pagedllm.outputs import Logprob
 from pagedllm.sample.logits_processors import needs_logits_processing
 from pagedllm.sample.sampler import DeviceSamples, SampledTokens, Sampler, SamplingInputs
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.spec.rejection import draft_tensor, rejection_sample, verify_greedy
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
@@ -567,7 +567,7 @@ class ModelRunner:
         ``scheduled_requests`` that get a token, their tokens still on the device, and the step's
         prompt logprobs (see :class:`RunnerOutput`).
 
-        Rows whose last token is pending (see :class:`pagedllm.core.scheduler.Scheduler`) read it
+        Rows whose last token is pending (see :class:`pagedllm.sched.scheduler.Scheduler`) read it
         from the step launched before this one. Phase times are added to ``times`` when given.
         """
         assert self.kv_cache is not None, "KV cache not allocated"

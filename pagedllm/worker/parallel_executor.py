@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.groups import ParallelGroups, close_groups, free_port, init_groups
 from pagedllm.distributed.placement import (
     RankPlacement,
@@ -43,6 +42,7 @@ from pagedllm.distributed.placement import (
 )
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.utils import die_with_parent
 from pagedllm.worker.executor import Executor
 from pagedllm.worker.model_runner import resolve_device

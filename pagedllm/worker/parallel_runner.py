@@ -17,7 +17,7 @@ With ``pipelined`` steps (the engine's scheduling ahead over ``pp`` stages) the 
 step, runs its stage and returns; the step's rows come back, and are sampled, when its tokens are
 asked for, while the driver's stage already runs the next step (another group of requests): every
 stage works on a different step. A decode step is one micro-batch; a prompt step is cut into
-micro-batches of whole requests (:func:`pagedllm.core.scheduler.plan_micro_batches`) so that the
+micro-batches of whole requests (:func:`pagedllm.sched.scheduler.plan_micro_batches`) so that the
 next stage starts on its first part. Without pipelining, a step is cut into ``2 * pp``
 micro-batches and the driver waits for its rows.
 
@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.core.scheduler import SchedulerOutput, plan_micro_batches
 from pagedllm.distributed.groups import ParallelGroups
 from pagedllm.distributed.layers import parallelize
 from pagedllm.distributed.placement import local_model_config, pad_vocab_rows
@@ -51,6 +50,7 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.sample.sampler import DeviceSamples
+from pagedllm.sched.scheduler import SchedulerOutput, plan_micro_batches
 from pagedllm.worker.model_runner import BatchInputs, ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import DeferredSamples, RunnerOutput

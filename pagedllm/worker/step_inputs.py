@@ -1,6 +1,6 @@
 """The one place a step's model inputs are built on the host.
 
-:class:`StepInputBuilder` turns a :class:`~pagedllm.core.scheduler.SchedulerOutput` into the flat-batch
+:class:`StepInputBuilder` turns a :class:`~pagedllm.sched.scheduler.SchedulerOutput` into the flat-batch
 arrays the forward reads (token ids, positions, slot mapping, query and sequence lengths, block
 tables, the rows to sample). The eager forward copies them to the device as they are; a CUDA-graph
 replay has them written, padded to its bucket, into its pinned staging buffers and copies those into
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.request import Request
+from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.block_tables import BlockTableRows
 
 

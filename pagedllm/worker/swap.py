@@ -1,5 +1,5 @@
 """The host tier's KV tensors, the block copies between them and the device's, and the start-up
-measurements that ``auto`` preemption weighs (:class:`~pagedllm.core.preemption.PreemptionCosts`)."""
+measurements that ``auto`` preemption weighs (:class:`~pagedllm.sched.preemption.PreemptionCosts`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from pagedllm.core.preemption import PreemptionCosts
 from pagedllm.model.config import ModelConfig
+from pagedllm.sched.preemption import PreemptionCosts
 from pagedllm.worker.kv_cache import KVCache
 
 

@@ -25,7 +25,7 @@ from pagedllm_bench.prefix_routing import (
     run_prefix_routing,
 )
 
-CORE_MODULE = "pagedllm.engine.core_process"
+CORE_MODULE = "pagedllm.engine.proc.core_process"
 
 
 def _core_processes() -> list[psutil.Process]:

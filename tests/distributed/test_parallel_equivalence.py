@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from helpers.prompts import PROMPTS
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.outputs import Logprob, RequestOutput
 
 LOGPROB_TOL = 1e-4

@@ -14,7 +14,7 @@ from typing import Any
 
 from helpers.prompts import PROMPTS
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.sched.scheduler import SchedulerOutput
 
 ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 96}
 WORKLOAD = PROMPTS[:8]

@@ -22,9 +22,10 @@ import pytest
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_launch import LocalCores, free_port_range, start_local_cores
-from pagedllm.engine.core_process import CoreOptions
-from pagedllm.engine.core_protocol import (
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.proc.core_process import CoreOptions
+from pagedllm.engine.proc.launch import LocalCores, free_port_range, start_local_cores
+from pagedllm.engine.proc.protocol import (
     AbortRequests,
     AddRequest,
     Codec,
@@ -35,7 +36,6 @@ from pagedllm.engine.core_protocol import (
     ResetPrefixCache,
     Welcome,
 )
-from pagedllm.engine.stats import EngineStats
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -249,7 +249,7 @@ def test_core_survives_every_message_with_fields_of_the_wrong_type(core: tuple[F
     assert stats is not None and stats.num_running == 0 and stats.num_waiting == 0
     assert stats.kv_cache_usage == 0.0
 
-    from pagedllm.engine.core_protocol import Shutdown
+    from pagedllm.engine.proc.protocol import Shutdown
 
     front.send(Shutdown())
     deadline = time.monotonic() + 30

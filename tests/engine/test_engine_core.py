@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from pagedllm.engine.core_protocol import Codec, CoreOutputs, rejection, rejection_error
 from pagedllm.engine.engine_core import AbortCommand, AddCommand, EngineCore, EngineOutput, StopCommand
 from pagedllm.engine.errors import QueueFullError, RequestError
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.proc.protocol import Codec, CoreOutputs, rejection, rejection_error
 from pagedllm.entrypoints.openai.serving_engine import error_from_exception
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -126,7 +126,10 @@ def test_final_only_outputs(default_llm):
     seen: dict[str, list] = {}
     engine.pop_token_intervals()  # left by earlier users of the engine
     for i, (prompt, kwargs) in enumerate(cases):
-        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):  # DELTA: test_output_deltas
+        for kind in (
+            RequestOutputKind.CUMULATIVE,
+            RequestOutputKind.FINAL_ONLY,
+        ):  # DELTA: test_output_processor
             rid = f"{kind.name}-{i}"
             seen[rid] = []
             engine.add_request(rid, prompt, SamplingParams(output_kind=kind, **kwargs))

@@ -19,15 +19,16 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.kv_cache_manager import KVCacheManager, prompt_block_hashes
-from pagedllm.engine.core_protocol import AddRequest, Codec, CoreOutputs
-from pagedllm.engine.dp_router import PrefixRouter
+from pagedllm.engine.delta_outputs import OutputAccumulator
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.engine.output_deltas import OutputAccumulator, OutputDecoder, encode_output
+from pagedllm.engine.proc.dp_router import PrefixRouter
+from pagedllm.engine.proc.output_codec import OutputDecoder, encode_output
+from pagedllm.engine.proc.protocol import AddRequest, Codec, CoreOutputs
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from pagedllm.sched.kv_cache_manager import KVCacheManager, prompt_block_hashes
 
 ENGINE_ARGS: dict[str, Any] = {"max_model_len": 1024, "num_kv_blocks": 256}
 PROMPTS = [
@@ -43,7 +44,10 @@ def core_processes() -> list[psutil.Process]:
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "pagedllm.engine.core_process" in " ".join(child.cmdline()) and child.status() != "zombie":
+            if (
+                "pagedllm.engine.proc.core_process" in " ".join(child.cmdline())
+                and child.status() != "zombie"
+            ):
                 out.append(child)
         except psutil.NoSuchProcess:
             pass

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pagedllm.engine.output_deltas import OutputAccumulator, merge_deltas
+from pagedllm.engine.delta_outputs import OutputAccumulator, merge_deltas
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.request import Request, RequestStatus

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from helpers.model_factory import make_tiny_hf_model  # noqa: E402
 from helpers.reference import assert_greedy_close, hf_greedy  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.core.kv_cache_manager import uniform_sliding_window  # noqa: E402
 from pagedllm.model.config import ModelConfig  # noqa: E402
+from pagedllm.sched.kv_cache_manager import uniform_sliding_window  # noqa: E402
 
 TRITON = pytest.param(
     "triton",

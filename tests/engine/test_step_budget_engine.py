@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.step_budget import StepBudget
 from pagedllm.engine.engine_checks import resolve_step_time
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.step_budget import StepBudget
 from pagedllm_bench.step_time import measure
 
 

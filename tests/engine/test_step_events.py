@@ -12,12 +12,12 @@ import pytest
 from helpers.model_factory import make_tiny_hf_model
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.engine.engine_state import BLOCK_CACHED, BLOCK_FREE, build_state
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.step_events import DECODE, MAX_WAITING_IDS, PREFILL, StepEvents
+from pagedllm.engine.observe.engine_state import BLOCK_CACHED, BLOCK_FREE, build_state
+from pagedllm.engine.observe.step_events import DECODE, MAX_WAITING_IDS, PREFILL, StepEvents
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sched.kv_cache_manager import KVCacheManager
+from pagedllm.sched.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 16
 

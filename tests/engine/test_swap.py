@@ -11,9 +11,9 @@ from helpers.prompts import PROMPTS
 from helpers.reference import assert_greedy_close
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.core.preemption import PreemptionCosts
-from pagedllm.engine.metrics import EngineMetrics
+from pagedllm.engine.observe.metrics import EngineMetrics
 from pagedllm.request import RequestStatus
+from pagedllm.sched.preemption import PreemptionCosts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
 TINY_POOL = {"num_kv_blocks": 14, "enable_prefix_caching": False}  # forces preemption on PROMPTS
@@ -165,7 +165,7 @@ def test_bad_swap_options_name_the_field(kwargs, field):
 
 
 def test_swap_metrics_are_exported():
-    from pagedllm.engine.stats import EngineStats
+    from pagedllm.engine.observe.stats import EngineStats
 
     metrics = EngineMetrics("m")
     metrics.record_stats(
@@ -183,7 +183,7 @@ def test_swap_metrics_are_exported():
 def test_the_step_record_and_the_snapshot_show_swaps(make_llm):
     """What the dashboard draws: steps that swapped requests out and in, and swapped requests with
     their host blocks in a snapshot taken while they are out."""
-    from pagedllm.engine.engine_state import build_state
+    from pagedllm.engine.observe.engine_state import build_state
 
     llm = make_llm(num_kv_blocks=8, enable_prefix_caching=False, swap_space=SWAP_GIB, preemption_mode="swap")
     engine = llm.llm_engine

@@ -33,11 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers.processes import alive, describe, wait_gone
 from helpers.server import SMALL_ENGINE_ARGS, RemoteServer, assert_serve_flags
 from helpers.sse_stream import SSEStream, completion_body
-from pagedllm.engine.core_liveness import unresponsive_after
+from pagedllm.engine.proc.liveness import unresponsive_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CORE_MODULE = "pagedllm.engine.core_process"
+CORE_MODULE = "pagedllm.engine.proc.core_process"
 # The liveness timeout of the servers whose core dies: short, far above the heartbeats' 0.2 s.
 DEATH_TIMEOUT_S = 3.0
 # The server of the short stop: stopped for SHORT_STOP_S, past the 2 s after which /health says 503

@@ -54,7 +54,7 @@ MAX_TOKENS = 12
 CHAT = [{"role": "user", "content": "Name three colours."}]
 # ~300 tokens shared by the prompts of the routing check (the default model's tokenizer).
 LONG_PREFIX = " ".join(f"Sentence {i} is about the colour of item {i}." for i in range(22))
-CORE_MODULE = "pagedllm.engine.core_process"
+CORE_MODULE = "pagedllm.engine.proc.core_process"
 FAIL_WITHIN_S = 3.0  # a request on a core that died ends this soon after the core
 EXIT_WITHIN_S = 10.0  # a server whose engine died exits this soon
 STOP_WITHIN_S = 180.0  # a server told to stop (SIGTERM) exits this soon

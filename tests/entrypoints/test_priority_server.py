@@ -24,8 +24,9 @@ from helpers.server import RemoteServer
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.core_protocol import AddRequest, Codec, EngineInfo, Hello, check_wire_priority
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.proc.protocol import AddRequest, Codec, Hello, check_wire_priority
 
 # Room for two sequences of the tests' lengths and little more: a third request waits.
 PRIORITY_ARGS = ["--scheduling-policy", "priority", "--max-num-seqs", "2", "--num-kv-blocks", "72"]

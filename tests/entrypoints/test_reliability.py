@@ -430,7 +430,7 @@ def test_metrics_without_auth_and_disabled_docs() -> None:
     from fastapi.testclient import TestClient
 
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.engine.metrics import EngineMetrics
+    from pagedllm.engine.observe.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.api_server import ServerSettings, add_cli_args, build_app
     from pagedllm.entrypoints.openai.cli_args import settings_from_args
 

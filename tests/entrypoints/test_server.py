@@ -16,7 +16,7 @@ import pytest
 
 from helpers.server import SMALL_ENGINE_ARGS, RemoteServer, parse_metrics
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -781,7 +781,7 @@ def test_async_engine_death_fails_requests() -> None:
 
 
 def _scripted_app(fake: ScriptedEngine) -> tuple[Any, AsyncLLMEngine]:
-    from pagedllm.engine.metrics import EngineMetrics
+    from pagedllm.engine.observe.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app
 
     engine = AsyncLLMEngine(fake, metrics=EngineMetrics("scripted"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.stats import EngineStats
 
 
 class IdleEngine:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.stats import EngineStats
 
 
 def generated_tokens(

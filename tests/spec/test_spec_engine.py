@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from helpers.model_factory import make_tiny_hf_model
 from helpers.spec_cases import VOCAB16, chi2_homogeneity_pvalue, generated_tokens, sampled_token_counts
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.metrics import EngineMetrics
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.metrics import EngineMetrics
+from pagedllm.engine.observe.stats import EngineStats
 from pagedllm_bench.spec import grounded_requests
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'

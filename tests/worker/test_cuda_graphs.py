@@ -17,8 +17,8 @@ import torch
 
 from helpers.reference import assert_greedy_close
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.kv_cache_manager import BlockTableChange
 from pagedllm.model.config import ModelConfig
+from pagedllm.sched.kv_cache_manager import BlockTableChange
 from pagedllm.worker.block_tables import BlockTableRows
 from pagedllm.worker.cuda_graphs import (
     CUDAGraphRunner,

@@ -24,7 +24,7 @@ from .throughput import engine_run
 def bench_app(engine: Any) -> Any:
     """The OpenAI server's FastAPI app over ``engine``, serving it as the model ``bench``."""
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.engine.metrics import EngineMetrics
+    from pagedllm.engine.observe.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app
 
     metrics = EngineMetrics("bench")

@@ -47,8 +47,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedllm.engine.async_client import AsyncEngineClient
-from pagedllm.engine.async_mp_engine import AsyncMPEngine
-from pagedllm.engine.metrics import CONTENT_TYPE, EngineMetrics
+from pagedllm.engine.observe.metrics import CONTENT_TYPE, EngineMetrics
+from pagedllm.engine.proc.async_mp_engine import AsyncMPEngine
 from pagedllm.entrypoints.openai.cli_args import (
     API_KEY_ENV,
     DEFAULT_MAX_REQUEST_BODY_BYTES,

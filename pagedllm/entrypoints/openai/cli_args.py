@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_liveness import DEFAULT_LIVENESS_TIMEOUT_S, MIN_LIVENESS_TIMEOUT_S
+from pagedllm.engine.proc.liveness import DEFAULT_LIVENESS_TIMEOUT_S, MIN_LIVENESS_TIMEOUT_S
 from pagedllm.entrypoints.openai.limits import (
     DEFAULT_CHAT_TEMPLATE_TIMEOUT,
     DEFAULT_MAX_BAD_WORDS,

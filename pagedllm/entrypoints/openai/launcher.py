@@ -30,10 +30,10 @@ from types import FrameType
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.core_launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
-from pagedllm.engine.core_liveness import DEFAULT_LIVENESS_TIMEOUT_S
-from pagedllm.engine.core_process import CoreOptions
-from pagedllm.engine.metrics import MULTIPROC_ENV, EngineMetrics
+from pagedllm.engine.observe.metrics import MULTIPROC_ENV, EngineMetrics
+from pagedllm.engine.proc.core_process import CoreOptions
+from pagedllm.engine.proc.launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
+from pagedllm.engine.proc.liveness import DEFAULT_LIVENESS_TIMEOUT_S
 from pagedllm.entrypoints.openai.api_server import add_cli_args, serve_engine
 from pagedllm.entrypoints.openai.cli_args import check_args, configure_logging, engine_config_from_args
 from pagedllm.utils import die_with_parent
@@ -143,8 +143,8 @@ def run_frontend(
     """Front-end ``index``: wait for every core, then serve HTTP until SIGTERM or the cores' death.
     ``owns_cores``: tell the cores to stop when it stops (one front-end; with several, the launcher
     stops them once every front-end has)."""
-    from pagedllm.engine.async_mp_engine import AsyncMPEngine
-    from pagedllm.engine.core_client import CoreClient
+    from pagedllm.engine.proc.async_mp_engine import AsyncMPEngine
+    from pagedllm.engine.proc.core_client import CoreClient
     from pagedllm.model.loader import load_model_tokenizer
     from pagedllm.model.tokenizer import with_chat_template
 
@@ -290,7 +290,7 @@ class _DeathReporter:
     def __init__(self, address: str) -> None:
         import zmq
 
-        from pagedllm.engine.core_protocol import Codec
+        from pagedllm.engine.proc.protocol import Codec
 
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -300,8 +300,8 @@ class _DeathReporter:
         self.reported: set[int] = set()
 
     def report(self, rank: int, code: int) -> None:
-        from pagedllm.engine.core_client import describe_exit
-        from pagedllm.engine.core_protocol import CoreDead
+        from pagedllm.engine.proc.core_client import describe_exit
+        from pagedllm.engine.proc.protocol import CoreDead
 
         if rank in self.reported or code == 0:
             return

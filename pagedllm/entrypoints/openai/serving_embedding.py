@@ -27,8 +27,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_client import AsyncEngineClient
-from pagedllm.engine.async_mp_engine import AsyncMPEngine
 from pagedllm.engine.errors import RequestError
+from pagedllm.engine.proc.async_mp_engine import AsyncMPEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.protocol_embedding import (

@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.request import Request
+from pagedllm.sched.scheduler import SchedulerOutput
 
 DEFAULT_MAX_STEPS = 1024  # step records kept (the dashboard shows the latest 64)
 DEFAULT_MAX_FINISHED = 256  # finished requests kept for the requests table

@@ -16,7 +16,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pagedllm.core.kv_cache_manager import prompt_block_hashes
+from pagedllm.sched.kv_cache_manager import prompt_block_hashes
 
 ROUTING_POLICIES = ("prefix", "round_robin")
 

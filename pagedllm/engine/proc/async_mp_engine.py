@@ -3,10 +3,10 @@
 :class:`AsyncMPEngine` is the multi-process transport of
 :class:`~pagedllm.engine.async_client.AsyncEngineClient` (``add_request``, ``encode``,
 ``beam_search``, ``abort``, ``abort_all``, stats and liveness, with the same per-request streams as
-an engine in this process): a :class:`~pagedllm.engine.core_client.CoreClient` routes each request
+an engine in this process): a :class:`~pagedllm.engine.proc.core_client.CoreClient` routes each request
 to a core (data parallel: one router for every core) and its I/O thread delivers the accepted,
 rejected and output events.
-What the front-end knows of the engine is the :class:`~pagedllm.engine.core_protocol.EngineInfo`
+What the front-end knows of the engine is the :class:`~pagedllm.engine.proc.protocol.EngineInfo`
 the cores reported, and its own tokenizer.
 """
 
@@ -19,14 +19,14 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.engine.async_client import AsyncEngineClient, RequestStream
-from pagedllm.engine.core_client import CoreClient
-from pagedllm.engine.core_protocol import EngineInfo
-from pagedllm.engine.engine_state import STATE_TIMEOUT_S
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.input_processor import tokenize_prompt
-from pagedllm.engine.metrics import EngineMetrics
-from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.step_events import StepRecord, StepRing
+from pagedllm.engine.observe.engine_state import STATE_TIMEOUT_S
+from pagedllm.engine.observe.metrics import EngineMetrics
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.observe.step_events import StepRecord, StepRing
+from pagedllm.engine.proc.core_client import CoreClient
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams

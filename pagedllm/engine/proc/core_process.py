@@ -7,7 +7,7 @@ Two threads share the process:
   same as an engine served in one process: it applies the commands the I/O thread submitted (add,
   abort, shutdown, a snapshot, a prefix-cache reset), runs a step when requests are unfinished,
   and through :class:`EngineCoreProc`, its transport, hands each front-end one
-  :class:`~pagedllm.engine.core_protocol.CoreOutputs` per iteration (acceptances, rejections with
+  :class:`~pagedllm.engine.proc.protocol.CoreOutputs` per iteration (acceptances, rejections with
   their typed errors, output deltas, stats) through an in-process socket;
 * the **I/O thread** owns the sockets to the front-ends: it decodes incoming messages into
   commands, forwards the step loop's messages, and sends a heartbeat whenever the step loop has
@@ -37,7 +37,19 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from pagedllm.engine.core_protocol import (
+from pagedllm.engine.engine_core import (
+    AbortCommand,
+    AddCommand,
+    CoreCommand,
+    EngineCore,
+    StopCommand,
+    engine_info,
+)
+from pagedllm.engine.errors import RequestError, as_request_error
+from pagedllm.engine.observe.engine_state import EngineCall, encode_state
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.proc.output_codec import encode_output, metrics_times
+from pagedllm.engine.proc.protocol import (
     AbortRequests,
     AddRequest,
     Codec,
@@ -55,18 +67,6 @@ from pagedllm.engine.core_protocol import (
     rejection,
     undecodable_request,
 )
-from pagedllm.engine.engine_core import (
-    AbortCommand,
-    AddCommand,
-    CoreCommand,
-    EngineCore,
-    StopCommand,
-    engine_info,
-)
-from pagedllm.engine.engine_state import EngineCall, encode_state
-from pagedllm.engine.errors import RequestError, as_request_error
-from pagedllm.engine.output_deltas import encode_output, metrics_times
-from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
 
-logger = logging.getLogger("pagedllm.core")
+logger = logging.getLogger("pagedllm.sched")
 
 # The I/O thread says something at least this often (seconds).
 HEARTBEAT_S = 0.2
@@ -449,8 +449,8 @@ def run_engine_core(config: EngineConfig, options: CoreOptions) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m pagedllm.engine.core_process SPEC``: SPEC is JSON ``{"config": EngineConfig,
-    "options": CoreOptions}`` (as :func:`pagedllm.engine.core_launch.start_local_cores` writes it)."""
+    """``python -m pagedllm.engine.proc.core_process SPEC``: SPEC is JSON ``{"config": EngineConfig,
+    "options": CoreOptions}`` (as :func:`pagedllm.engine.proc.launch.start_local_cores` writes it)."""
     from pagedllm.config import EngineConfig
 
     spec = msgspec.json.decode(argv[0])

@@ -5,10 +5,10 @@ running request decodes its pending token instead (scheduling ahead)."""
 
 from __future__ import annotations
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.kv_cache_manager import KVCacheManager
+from pagedllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def make_scheduler(interleaved: int, num_requests: int, max_tokens: int = 50) -> Scheduler:

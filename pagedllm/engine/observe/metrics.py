@@ -2,7 +2,7 @@
 
 Every metric lives in the ``CollectorRegistry`` of its :class:`EngineMetrics`, so several engines (or
 tests) in one process never collide, and all names carry the ``pagedllm:`` prefix. Gauges and the
-token/preemption/prefix-cache counters are fed from :class:`~pagedllm.engine.stats.EngineStats`
+token/preemption/prefix-cache counters are fed from :class:`~pagedllm.engine.observe.stats.EngineStats`
 snapshots (counters advance by the difference to the previous snapshot); per-request latencies,
 sizes and finish counts are observed by the async engine (:meth:`EngineMetrics.observe_output`) from
 its own timestamps.
@@ -35,7 +35,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ draft's pool, whose tokens are the target request's tokens (they only ever grow)
 ``num_computed_tokens`` counts the leading ones whose draft KV is written; after them the draft KV
 also holds the draft tokens fed by the latest proposal (``DraftState.fed``). This module alone
 writes the shadows (the scheduling room owns request state); it turns each draft step into a
-:class:`~pagedllm.core.scheduler.SchedulerOutput`, block-table changes included, for the draft's
+:class:`~pagedllm.sched.scheduler.SchedulerOutput`, block-table changes included, for the draft's
 model runner.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.kv_cache_manager import KVCacheManager
+from pagedllm.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 # The shadow requests' sampling: the draft's argmax, no processor.
 _DRAFT_PARAMS = SamplingParams(temperature=0.0, max_tokens=None)

@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.core.step_budget import (
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.kv_cache_manager import KVCacheManager
+from pagedllm.sched.scheduler import Scheduler, SchedulerConfig
+from pagedllm.sched.step_budget import (
     MAX_SAMPLES,
     MIN_PREFILL_SHARE,
     SAMPLES_PER_KIND,
@@ -18,8 +20,6 @@ from pagedllm.core.step_budget import (
     StepCostModel,
     StepShape,
 )
-from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
 
 # A machine's step time: 4 ms per step, 0.5 ms per token, 0.3 ms per row, 20 ns per attention pair,
 # 10 ms per prefill chunk and 10 us per cached token it reads.

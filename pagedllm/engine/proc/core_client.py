@@ -15,7 +15,7 @@ told to shut down and, when this machine runs it, killed (SIGKILL): a stopped or
 comes back to requests that have already failed. Its requests then fail with
 :class:`~pagedllm.engine.async_engine.EngineDeadError`; new requests go to the living cores; when
 none is left the listener hears :meth:`ClientListener.all_dead`. Before that, a core silent for
-:func:`~pagedllm.engine.core_liveness.unresponsive_after` (2 s by default) is *unresponsive*
+:func:`~pagedllm.engine.proc.liveness.unresponsive_after` (2 s by default) is *unresponsive*
 (:meth:`CoreClient.unresponsive`: ``/health`` says 503 while any is): new requests avoid it while
 another core answers, and it is responsive again as soon as it is heard from.
 """
@@ -35,14 +35,20 @@ from typing import Protocol
 import msgspec
 import zmq
 
-from pagedllm.engine.core_liveness import (
+from pagedllm.engine.delta_outputs import OutputAccumulator
+from pagedllm.engine.errors import EngineDeadError, RequestError
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.observe.step_events import StepRecord
+from pagedllm.engine.proc.dp_router import PrefixRouter
+from pagedllm.engine.proc.liveness import (
     DEFAULT_LIVENESS_TIMEOUT_S,
     describe_exit,
     kill_process,
     pid_state,
     unresponsive_after,
 )
-from pagedllm.engine.core_protocol import (
+from pagedllm.engine.proc.output_codec import OutputDecoder, metrics_from_times
+from pagedllm.engine.proc.protocol import (
     AbortRequests,
     AddRequest,
     Codec,
@@ -59,11 +65,6 @@ from pagedllm.engine.core_protocol import (
     Welcome,
     rejection_error,
 )
-from pagedllm.engine.dp_router import PrefixRouter
-from pagedllm.engine.errors import EngineDeadError, RequestError
-from pagedllm.engine.output_deltas import OutputAccumulator, OutputDecoder, metrics_from_times
-from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.step_events import StepRecord
 from pagedllm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,

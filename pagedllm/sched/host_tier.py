@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.core.block_pool import RELEASED_BLOCK, BlockPool, KVBlock
 from pagedllm.request import Request
+from pagedllm.sched.block_pool import RELEASED_BLOCK, BlockPool, KVBlock
 
 
 @dataclass

@@ -22,15 +22,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_mp_engine import total_stats
-from pagedllm.engine.core_client import CoreClient
-from pagedllm.engine.core_launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
-from pagedllm.engine.core_process import CoreOptions
 from pagedllm.engine.engine_checks import check_new_request_id, check_priority
 from pagedllm.engine.errors import EngineDeadError, RequestError
 from pagedllm.engine.input_processor import tokenize_prompt
-from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.step_events import StepRecord
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.observe.step_events import StepRecord
+from pagedllm.engine.proc.async_mp_engine import total_stats
+from pagedllm.engine.proc.core_client import CoreClient
+from pagedllm.engine.proc.core_process import CoreOptions
+from pagedllm.engine.proc.launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
 from pagedllm.model.loader import load_model_tokenizer
 from pagedllm.model.tokenizer import render_chat, with_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput

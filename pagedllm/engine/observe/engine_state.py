@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from pagedllm.engine.step_events import StepEvents, StepRecord, summarize
+from pagedllm.engine.observe.step_events import StepEvents, StepRecord, summarize
 
 MAX_WAITING_ROWS = 256  # waiting requests listed in a snapshot (the queue's length is always given)
 STATE_TIMEOUT_S = 10.0  # how long a caller waits for the engine thread to take a snapshot
@@ -115,7 +115,7 @@ class EngineCall:
 class EngineStateAccess:
     """The dashboard's view of an async engine: a snapshot taken on the engine thread, and the step
     records (read from the engine's ring under its lock). The engine in core processes overrides
-    both (:class:`~pagedllm.engine.async_mp_engine.AsyncMPEngine`)."""
+    both (:class:`~pagedllm.engine.proc.async_mp_engine.AsyncMPEngine`)."""
 
     engine: Any
     _lock: Any

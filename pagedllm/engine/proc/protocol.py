@@ -18,7 +18,7 @@ message it cannot decode.
 Outputs are deltas: a :class:`RequestDelta` is a ``DELTA`` output as the core's output processor made
 it, carrying only what a request gained since the previous one (new text, token ids, logprobs); a
 ``FINAL_ONLY`` request's one output travels whole. The front-end adds deltas up only for callers that
-want cumulative outputs (see :mod:`pagedllm.engine.output_deltas`).
+want cumulative outputs (see :mod:`pagedllm.engine.proc.output_codec` and :mod:`pagedllm.engine.delta_outputs`).
 """
 
 from __future__ import annotations
@@ -26,42 +26,13 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.engine.engine_checks import check_wire_priority
-from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.step_events import StepRecord
+from pagedllm.engine.engine_info import EngineInfo
+from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.observe.step_events import StepRecord
 from pagedllm.errors import RequestError, request_error
-from pagedllm.model.pooling import PoolingConfig
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-
-
-class EngineInfo(msgspec.Struct, array_like=True):
-    """What a front-end knows of the engine it serves, and all it knows (the same for every core;
-    the front-end's tokenizer is its own): the model, its task and generation defaults, and the
-    engine's limits. A core reports it in :class:`Hello`; an engine in the front-end's process is
-    described by :func:`~pagedllm.engine.engine_core.engine_info`."""
-
-    model_name: str
-    task: str  # "generate" or "embed"
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    default_sampling: dict[str, float | int]  # the model's generation-config defaults
-    block_size: int
-    num_kv_blocks: int
-    max_num_seqs: int
-    max_logprobs: int
-    enable_prefix_caching: bool
-    # Pooling of an embed engine: (type, normalize, hidden size, matryoshka sizes or None).
-    pooling: tuple[str, bool, int, tuple[int, ...] | None] | None = None
-    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priorities are taken)
-    max_num_batched_tokens: int = 0  # a step's token budget (0: not reported)
-
-    @property
-    def pooling_config(self) -> PoolingConfig | None:
-        """The pooling of an embed engine (None for a generating one)."""
-        return PoolingConfig(*self.pooling) if self.pooling is not None else None
-
 
 # -- front-end -> core ------------------------------------------------------------------------
 

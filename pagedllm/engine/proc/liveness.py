@@ -1,7 +1,7 @@
 """How a front-end tells whether an engine core lives: the silence it allows, and the state of a
 core process on this machine.
 
-Cores send a heartbeat every :data:`~pagedllm.engine.core_process.HEARTBEAT_S` (0.2 s) from an I/O
+Cores send a heartbeat every :data:`~pagedllm.engine.proc.core_process.HEARTBEAT_S` (0.2 s) from an I/O
 thread that a long forward does not block. A core silent for :func:`unresponsive_after` seconds (2 s,
 or half the liveness timeout if that is shorter) is *unresponsive* (``/health`` says 503 until it is
 heard from again); one silent for the liveness timeout (``--engine-liveness-timeout``, default

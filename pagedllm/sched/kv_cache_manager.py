@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedllm.core.block_pool import RELEASED_BLOCK, BlockPool, KVBlock
-from pagedllm.core.host_tier import HostTier
 from pagedllm.request import Request
+from pagedllm.sched.block_pool import RELEASED_BLOCK, BlockPool, KVBlock
+from pagedllm.sched.host_tier import HostTier
 
 # The chain's start. Python hashes tuples of ints the same way in every process (unlike strings), so
 # a front-end computes the hashes a core's prefix cache uses (for prefix-aware routing).
@@ -37,7 +37,7 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...], extra_keys: tuple =
 @dataclass
 class BlockTableChange:
     """What the worker writes into one request's block table before a step (a field of
-    :class:`pagedllm.core.scheduler.SchedulerOutput`).
+    :class:`pagedllm.sched.scheduler.SchedulerOutput`).
 
     The table becomes its first ``start`` entries as the worker holds them, followed by
     ``block_ids``; entries past that are dropped. ``start`` 0 rewrites the table (a request scheduled

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_process import CoreOptions
+from pagedllm.engine.proc.core_process import CoreOptions
 
 logger = logging.getLogger("pagedllm")
 
@@ -95,12 +95,12 @@ class LocalCores:
 def start_local_cores(config: EngineConfig, ranks: list[int], options: CoreOptions) -> LocalCores:
     """Start one core process per rank (``options`` with its rank), connecting to
     ``options.frontend_address``. Each is a fresh interpreter (``python -m
-    pagedllm.engine.core_process``) given its configuration as JSON, so nothing of the caller's
+    pagedllm.engine.proc.core_process``) given its configuration as JSON, so nothing of the caller's
     main module is imported again."""
     cores = LocalCores()
     for rank in ranks:
         spec = msgspec.json.encode({"config": config, "options": replace(options, rank=rank)})
-        cmd = [sys.executable, "-m", "pagedllm.engine.core_process", spec.decode()]
+        cmd = [sys.executable, "-m", "pagedllm.engine.proc.core_process", spec.decode()]
         cores.processes[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     return cores
 

@@ -8,11 +8,11 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.host_tier import SwapStats
-from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, KVCacheManager
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.host_tier import SwapStats
+from pagedllm.sched.kv_cache_manager import RELEASED_BLOCK, KVCacheManager
+from pagedllm.sched.scheduler import Scheduler, SchedulerConfig
 
 EOS = 0
 

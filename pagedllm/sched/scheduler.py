@@ -8,10 +8,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.core.kv_cache_manager import RELEASED_BLOCK, BlockTableChange, KVCacheManager
-from pagedllm.core.preemption import PreemptionCosts
-from pagedllm.core.step_budget import StepBudget, StepShape
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sched.kv_cache_manager import RELEASED_BLOCK, BlockTableChange, KVCacheManager
+from pagedllm.sched.preemption import PreemptionCosts
+from pagedllm.sched.step_budget import StepBudget, StepShape
 
 
 @dataclass
@@ -33,7 +33,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     costs: PreemptionCosts | None = None  # needed by "auto" with a host tier
     # Step-time target in seconds (None: none): in a step with decodes, prefill chunks are sized by a
-    # cost model fitted to the engine's measured steps (see pagedllm.core.step_budget) so that the
+    # cost model fitted to the engine's measured steps (see pagedllm.sched.step_budget) so that the
     # step's predicted time stays under it. Not with ``whole_prompts`` nor ``interleaved_steps``
     # above 1 (token budget only).
     max_step_time_s: float | None = None
