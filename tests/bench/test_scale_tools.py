@@ -206,6 +206,6 @@ def _children() -> list[int]:
 
 def test_native_tools_build_the_pinned_binding_version() -> None:
     """The native tools and the ``llamacpp`` extra's binding run the same llama.cpp."""
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "benchmarks" / "pyproject.toml"
     assert f'"llama-cpp-python=={native.LLAMA_CPP_PYTHON_VERSION}"' in pyproject.read_text()
     assert native.tools_root().parts[-2:] == ("llama.cpp", native.LLAMA_CPP_PYTHON_VERSION)
