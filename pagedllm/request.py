@@ -113,11 +113,11 @@ class Request:
     ``block_ids[i]``); ``len(block_hashes)`` full blocks of it are registered in the prefix cache,
     all of them over known token ids.
 
-    Who writes which field (``tests/test_layers.py`` checks that only ``core`` and ``engine`` write
+    Who writes which field (``tests/test_layers.py`` checks that only ``sched`` and ``engine`` write
     any; every other room, the worker included, only reads). *Input*: the engine's
     ``InputProcessor`` (or beam search) builds the request; *engine*: ``LLMEngine``'s step loop;
-    *outputs*: the engine's ``OutputProcessor``; *scheduler*: ``core`` (``Scheduler``,
-    ``KVCacheManager``, ``HostTier``, and ``core/draft_shadows.py`` for the draft model's shadow
+    *outputs*: the engine's ``OutputProcessor``; *scheduler*: ``sched`` (``Scheduler``,
+    ``KVCacheManager``, ``HostTier``, and ``sched/draft_shadows.py`` for the draft model's shadow
     requests, which are requests of their own).
 
     ============================================  =====================================================
