@@ -98,8 +98,12 @@ class EngineConfig:
     swap_space: float = 0.0
     preemption_mode: str = "auto"
     # Step-time target: prefill chunks are sized so that a step's predicted time stays under it (see
-    # pagedllm.sched.step_budget). None: the device's default (200 ms on CPU, off on GPU); 0: off.
+    # pagedllm.sched.step_budget). None: the device's default (500 ms on CPU, off on GPU); 0: off.
     max_step_time_ms: float | None = None
+    # CPU threads that follow the free cores: between steps, a CPU engine measures what other processes
+    # use of its cores and runs its kernels on the cores left (see pagedllm.worker.cpu_threads); off:
+    # always the process's torch thread count. Ranks of a parallel engine keep fixed threads.
+    adapt_cpu_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

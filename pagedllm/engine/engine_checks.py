@@ -79,17 +79,19 @@ def check_speculative(config: EngineConfig, task: str) -> SpeculativeConfig | No
     return spec
 
 
-# The step-time target where ``max_step_time_ms`` is unset, by device type: on a CPU a step of
+# The step-time target where ``max_step_time_ms`` is unset, by device type (chosen from `pagedllm bench
+# step-time`: the CPU's 500 ms keeps a long prompt's first token within 1.3x of the token budget's and
+# its neighbours' gaps under 1.5 targets; see docs/PERFORMANCE.md §18). On a CPU a step of
 # ``max_num_batched_tokens`` prompt tokens takes seconds, which every running stream waits out; on a
 # GPU such a step takes milliseconds, and the token budget alone is right.
-DEFAULT_MAX_STEP_TIME_MS = {"cpu": 200.0}
+DEFAULT_MAX_STEP_TIME_MS = {"cpu": 500.0}
 
 
 def resolve_step_time(
     config: EngineConfig, task: str, device_type: str, interleaved_steps: int
 ) -> float | None:
     """The step-time target in seconds (None: off), from ``max_step_time_ms``: unset means the
-    device's default (200 ms on CPU, off elsewhere), 0 means off. ValueError, naming the field, where
+    device's default (500 ms on CPU, off elsewhere), 0 means off. ValueError, naming the field, where
     a target was asked for and cannot apply: task 'embed' (a prompt is pooled whole, in one step) and
     pipeline stages running interleaved steps (their steps overlap)."""
     ms = config.max_step_time_ms

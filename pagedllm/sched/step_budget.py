@@ -15,11 +15,12 @@ which ``e`` prices.
 :class:`StepCostModel` fits the coefficients online from the engine's own measured step times;
 :class:`StepBudget` turns the fit into the largest prefill chunk that keeps a step's predicted time
 under its limit: the target, or, where the step's overhead (everything but its prompt tokens) is
-already most of the target, ``1 / (1 - MIN_PREFILL_SHARE)`` times that overhead, so that prompt
-tokens take at least ``MIN_PREFILL_SHARE`` of a step that computes them: deep into a long prompt,
-where one block's attention alone nears the target, beside a large decode batch, or on a machine
-where every step waits for descheduled threads, steps lengthen instead of prompts crawling a block
-a step.
+already most of the target, ``1 / (1 - MIN_PREFILL_SHARE)`` times that overhead up to
+``MAX_STRETCH`` targets, so that prompt tokens take a fair share of a step that computes them: deep
+into a long prompt, beside a large decode batch, or on a machine where every step waits for
+descheduled threads, steps lengthen a little instead of prompts crawling a block a step. (Unbounded,
+a fit from a few small steps that took a per-token cost for a per-chunk one stretched steps to five
+targets.)
 
 Invariants:
 
@@ -36,7 +37,8 @@ Invariants:
   latest few steps of the same sort corrects it.
 - Until the model has measured prefill at two sizes, and always after, a step's prefill is at most
   twice the largest prefill measured in a step (``initial_tokens`` before any), so the budget ramps
-  up from measurements and never extrapolates far beyond them. After ``PROBE_AFTER`` steps in a row
+  up from measurements and never extrapolates far beyond them; beyond the largest prefill measured,
+  a step is predicted to cost at least that step's time per prompt token. After ``PROBE_AFTER`` steps in a row
   of one prefill size with the prompt held to one block, one step probes two blocks: steps of one
   size cannot tell a per-token cost from a per-chunk one, and without the probe a fit that took one
   for the other would never see otherwise.
@@ -66,6 +68,7 @@ MAX_CORRECTION = 4.0  # ... by a factor within [1/4, 4]
 MEDIAN_ITERATIONS = 6  # reweighted least-squares passes of the median regression
 MIN_RESIDUAL = 0.02  # relative errors below this weigh as this (the reweighting stays bounded)
 MIN_PREFILL_SHARE = 0.5  # of a step with prefill, the least predicted time its prompt tokens get
+MAX_STRETCH = 1.25  # ... but a step is stretched for that to at most this many targets
 
 
 @dataclass(frozen=True)
@@ -294,13 +297,15 @@ class StepBudget:
         self.model = model or StepCostModel()
         self.initial_tokens = initial_tokens or 4 * block_size
         self.largest_prefill = 0  # the most prefill tokens of a measured step
+        self.largest_prefill_s = 0.0  # ... and that step's time
         self._last_prefill = 0  # the prefill tokens of the latest measured step with prefill
         self._same_prefill = 0  # ... and how many steps in a row had that many
         self.probes = 0  # steps that probed a larger chunk (see PROBE_AFTER)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.model.observe(shape, seconds)
-        self.largest_prefill = max(self.largest_prefill, shape.prefill_tokens)
+        if shape.prefill_tokens >= self.largest_prefill and shape.prefill_tokens:
+            self.largest_prefill, self.largest_prefill_s = shape.prefill_tokens, seconds
         if shape.prefill_rows:
             same = shape.prefill_tokens == self._last_prefill
             self._same_prefill = self._same_prefill + 1 if same else 1
@@ -314,11 +319,12 @@ class StepBudget:
     def step_limit(self, shape: StepShape, start: int) -> float | None:
         """The predicted time a step of ``shape`` plus a chunk from ``start`` may take: the target, or
         more where the step's overhead (its time without prompt tokens) would leave its prompt tokens
-        less than ``MIN_PREFILL_SHARE`` of it (None until the model is fitted)."""
+        less than ``MIN_PREFILL_SHARE`` of it, up to ``MAX_STRETCH`` targets (None until the model is
+        fitted)."""
         overhead = self.model.predict(shape.plus(start, 0, prefill=True).overhead())
         if overhead is None:
             return None
-        return max(self.target_s, overhead / (1 - MIN_PREFILL_SHARE))
+        return max(self.target_s, min(overhead / (1 - MIN_PREFILL_SHARE), MAX_STRETCH * self.target_s))
 
     def chunk_limit(self, shape: StepShape, start: int, remaining: int, budget: int) -> int:
         """The tokens a row starting at position ``start`` (with ``remaining`` tokens to compute) may
@@ -350,7 +356,14 @@ class StepBudget:
         """The largest ``n <= most`` whose step is predicted within ``limit`` seconds (0 if none)."""
 
         def within(n: int) -> bool:
-            predicted = self.model.predict(shape.plus(start, n, prefill=True))
+            step = shape.plus(start, n, prefill=True)
+            predicted = self.model.predict(step)
+            if predicted is not None and step.prefill_tokens > self.largest_prefill > 0:
+                # Beyond the largest prefill measured, no cheaper per prompt token than it was: a fit
+                # from a few small steps may take a cost that grows with the chunks for a fixed one.
+                predicted = max(
+                    predicted, self.largest_prefill_s * step.prefill_tokens / self.largest_prefill
+                )
             return predicted is not None and predicted <= limit
 
         if within(most):

@@ -109,6 +109,8 @@ class DraftExecutor(Executor):
     """The draft's executor: on a GPU its KV cache takes at most the memory left free by the target
     (which sized its own cache first), less a margin for the draft's activations and CUDA graphs."""
 
+    adapts_cpu_threads = False  # runs on the target's step thread, whose team the target sizes
+
     def _agree_kv_blocks(self, num_blocks: int) -> int:
         if self.device.type != "cuda":
             return num_blocks

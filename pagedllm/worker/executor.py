@@ -25,6 +25,7 @@ from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.sched.preemption import PreemptionCosts
 from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.cpu_memory import anonymous_resident_bytes, weight_memory
+from pagedllm.worker.cpu_threads import ThreadGovernor
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagedllm.worker.phase_times import StepPhaseTimes
@@ -43,6 +44,10 @@ class Executor:
     After construction the KV cache holds ``num_kv_blocks`` blocks of ``config.block_size`` tokens;
     block ids handed to :meth:`launch` (through the scheduler's block tables) index it.
     """
+
+    # Whether this executor sizes its CPU threads to the free cores (``config.adapt_cpu_threads``):
+    # executors whose steps run on other processes' ranks keep theirs fixed.
+    adapts_cpu_threads = True
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
@@ -107,6 +112,9 @@ class Executor:
             self.runner.capture_cuda_graphs(config.max_num_seqs)
         elif self.device.type == "cpu" and not config.enforce_eager:
             self.runner.enable_native_decode()
+        self.thread_governor: ThreadGovernor | None = None
+        if self.device.type == "cpu" and config.adapt_cpu_threads and self.adapts_cpu_threads:
+            self.thread_governor = ThreadGovernor(torch.get_num_threads())
         self.load_time_s = time.perf_counter() - started
 
     def _log_cpu_memory(self, anon_before: int | None) -> None:
@@ -155,6 +163,8 @@ class Executor:
     def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:
         """Launch a step's forward and sampling: the rows that sample, their tokens (on the device)
         and the step's prompt logprobs. The step's block copies between the tiers are made first."""
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
         self.copy_blocks(scheduler_output)
         return self.runner.launch(scheduler_output, times)
 
@@ -169,6 +179,8 @@ class Executor:
         self, scheduler_output: SchedulerOutput, pooling_type: str, times: StepPhaseTimes
     ) -> torch.Tensor:
         """The pooled final hidden states of the scheduled prompts (see :meth:`ModelRunner.pool`)."""
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
         return self.runner.pool(scheduler_output, pooling_type, times)
 
     @property

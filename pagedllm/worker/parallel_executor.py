@@ -186,6 +186,8 @@ class ParallelExecutor(Executor):
     """One rank's executor (see the module docstring); rank 0 is the driver and starts the others of
     its machine."""
 
+    adapts_cpu_threads = False  # each rank runs a fixed share of its machine's cores
+
     def __init__(self, config: EngineConfig, rank: int = 0, master_port: int | None = None) -> None:
         self.model_config_checked = check_config(config)
         self.rank = rank

@@ -37,7 +37,7 @@ def test_max_step_time_ms_refuses_bad_values(value):
 
 def test_the_target_by_device_task_and_pipeline():
     config = EngineConfig()
-    assert resolve_step_time(config, "generate", "cpu", 1) == pytest.approx(0.2), "200 ms on CPU by default"
+    assert resolve_step_time(config, "generate", "cpu", 1) == pytest.approx(0.5), "500 ms on CPU by default"
     assert resolve_step_time(config, "generate", "cuda", 1) is None, "off on a GPU by default"
     assert resolve_step_time(config, "embed", "cpu", 1) is None, "pooling keeps the token budget"
     assert resolve_step_time(config, "generate", "cpu", 2) is None, "interleaved pipeline steps too"

@@ -14,6 +14,7 @@ from pagedllm.sched.kv_cache_manager import KVCacheManager
 from pagedllm.sched.scheduler import Scheduler, SchedulerConfig
 from pagedllm.sched.step_budget import (
     MAX_SAMPLES,
+    MAX_STRETCH,
     MIN_PREFILL_SHARE,
     SAMPLES_PER_KIND,
     StepBudget,
@@ -143,7 +144,8 @@ def test_chunk_limit_bounds(target_ms, decodes, start, remaining, token_budget, 
     limit = budget.step_limit(shape, start)
     assert predicted is not None and limit is not None and limit >= budget.target_s
     overhead = budget.model.predict(shape.plus(start, 0, prefill=True).overhead())
-    assert limit == max(budget.target_s, overhead / (1 - MIN_PREFILL_SHARE))
+    stretched = min(overhead / (1 - MIN_PREFILL_SHARE), MAX_STRETCH * budget.target_s)
+    assert limit == max(budget.target_s, stretched)
     if n > min(block_size, remaining, token_budget) or with_prefill and n:
         assert predicted <= limit, "beyond the floor, within the limit"
         if n < remaining:
@@ -243,7 +245,8 @@ def test_scheduler_under_a_step_budget(seed, target_ms, block_size, token_budget
                 if predicted is not None:
                     spent = sched.step_budget.model.predict(out.shape.overhead())
                     assert spent is not None
-                    most = max(target_ms / 1000, spent / (1 - MIN_PREFILL_SHARE))
+                    target_s = target_ms / 1000
+                    most = max(target_s, min(spent / (1 - MIN_PREFILL_SHARE), MAX_STRETCH * target_s))
                     assert predicted <= most * 1.0001, "within the step's limit"
         sampled = [s.request for s in rows if s.needs_sample]
         sched.update_after_step(out)

@@ -36,6 +36,24 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
+/* ``s[j] = e^(s[j] - m)`` for j in [a, b), 0 for the other j in [0, n); returns the sum. ``n`` is a
+ * multiple of 16 (a tile of the prefill kernel's online softmax). */
+float exp_shifted_f32(float *s, int64_t n, int64_t a, int64_t b, float m)
+{
+    const __m512 vm = _mm512_set1_ps(m);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __m512i j = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)t));
+        const __mmask16 in = _mm512_cmpge_epi32_mask(j, _mm512_set1_epi32((int)a)) &
+                             _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32((int)b));
+        const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm)));
+        _mm512_storeu_ps(s + t, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    return _mm512_reduce_add_ps(vsum);
+}
+
 /* ``s[0:n]`` (n >= 1) replaced by its softmax. Sixteen lanes at a time, the last partial vector
  * masked (prefill score rows are short: a scalar tail would cost more than the rest of the row). */
 void softmax_row_f32(float *s, int64_t n)
@@ -61,6 +79,18 @@ void softmax_row_f32(float *s, int64_t n)
     _mm512_mask_storeu_ps(s + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), inv));
 }
 #else
+/* ``s[j] = e^(s[j] - m)`` for j in [a, b), 0 for the other j in [0, n); returns the sum. */
+float exp_shifted_f32(float *s, int64_t n, int64_t a, int64_t b, float m)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+        s[t] = t >= a && t < b ? expf(s[t] - m) : 0.0f;
+        sum += s[t];
+    }
+    return sum;
+}
+
 /* ``s[0:n]`` (n >= 1) replaced by its softmax. */
 void softmax_row_f32(float *s, int64_t n)
 {
