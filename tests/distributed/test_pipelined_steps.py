@@ -147,7 +147,11 @@ def test_ranks_idle_longer_than_the_timeout_still_serve(tiny_model: Callable[[st
         first = generate(llm)
         time.sleep(12.0)
         assert len(procs.ranks()) == 1, "a rank exited while the engine was idle"
-        assert generate(llm) == first == reference(path)
+        assert generate(llm) == first
+        # Greedy tokens against one rank. Seeded samples are not compared: two ranks sum their partial
+        # products in another order than one rank (logprobs differ by about 5e-6), which may move a
+        # draw across a token's boundary.
+        assert first[0] == reference(path)[0]
     finally:
         llm.shutdown()
     procs.assert_none_left()
