@@ -153,7 +153,9 @@ def test_dashboard_in_a_browser(tmp_path: Path) -> None:
         after = _in_use_from_metrics(srv)
         stats = page.evaluate("dashboard.state.stats")
         running = page.evaluate("dashboard.state.running.length")
-        assert running == 2 and drawn == stats["num_kv_blocks"] - stats["num_free_blocks"]
+        # (On a loaded machine the browser may get here after the two requests have finished: the
+        # drawn map must equal the snapshot's blocks either way.)
+        assert running <= 2 and drawn == stats["num_kv_blocks"] - stats["num_free_blocks"]
         assert min(before, after) - running <= drawn <= max(before, after) + running, (before, drawn, after)
         page.click("#pause")
         for t in threads:
