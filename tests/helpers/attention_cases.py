@@ -129,3 +129,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 # Mixed batch: decodes, a fresh prefill, prefill chunks with cached prefixes (some not block aligned).
 MIXED = [(1, 37), (9, 9), (5, 70), (1, 1), (17, 40), (1, 16)]
+
+
+def prefill_chunks(batch: Batch) -> torch.Tensor:
+    """The ``chunks`` rows of ``paged_prefill_attention`` for every request of ``batch``."""
+    starts = batch.meta.query_start_loc.tolist()
+    return torch.tensor([[i, starts[i], q, s] for i, (q, s) in enumerate(batch.requests)], dtype=torch.int64)

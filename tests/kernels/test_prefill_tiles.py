@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.attention_cases import Batch, assert_close, reference_attention, release_blocks_before_window
+from helpers.attention_cases import (
+    Batch,
+    assert_close,
+    prefill_chunks,
+    reference_attention,
+    release_blocks_before_window,
+)
 from pagedllm.kernels.cpu.attention import paged_prefill_attention
 from pagedllm.kernels.cpu.library import kernels_available
 
@@ -16,11 +22,6 @@ needs_kernels = pytest.mark.skipif(not kernels_available(), reason="native CPU k
 # (query_len, seq_len): chunks deep in a context that cross tile (256) and span (2,048) boundaries,
 # one ending on a span boundary, one-token chunks past a boundary, and a whole 2,300-token prompt.
 LONG = [(16, 4500), (70, 2100), (1, 2049), (300, 2600), (33, 2048), (1, 6145), (2300, 2300)]
-
-
-def chunk_rows(batch: Batch) -> torch.Tensor:
-    starts = batch.meta.query_start_loc.tolist()
-    return torch.tensor([[i, starts[i], q, s] for i, (q, s) in enumerate(batch.requests)], dtype=torch.int64)
 
 
 def run(
@@ -49,7 +50,7 @@ def test_long_contexts_match_the_reference(window: int | None, soft_cap: float |
     batch = Batch(LONG, block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32)
     if window is not None:
         release_blocks_before_window(batch, window)  # blocks out of the window hold NaN
-    out = run(batch, chunk_rows(batch), window, soft_cap)
+    out = run(batch, prefill_chunks(batch), window, soft_cap)
     expected = reference_attention(batch, sliding_window=window, soft_cap=soft_cap)
     assert_close(out, expected, torch.float32)
 

@@ -19,6 +19,7 @@ from helpers.attention_cases import (  # noqa: E402
     MIXED,
     Batch,
     assert_close,
+    prefill_chunks,
     reference_attention,
     release_blocks_before_window,
 )
@@ -147,10 +148,7 @@ def test_cpu_prefill_kernel_window_and_cap() -> None:
         [(100, 150), (9, 9), (33, 60)], 21, block_size=16, group=2, head_dim=48, query_scale=4.0
     )
     out = torch.full(batch.query.shape, float("nan"))
-    starts = batch.meta.query_start_loc.tolist()
-    chunks = torch.tensor(
-        [[i, starts[i], q, s] for i, (q, s) in enumerate(batch.requests)], dtype=torch.int64
-    )
+    chunks = prefill_chunks(batch)
     paged_prefill_attention(
         batch.query,
         out,
