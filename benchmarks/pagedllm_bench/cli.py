@@ -25,6 +25,10 @@ BENCHMARKS = {
         "pagedllm_bench.serve",
         "Online serving benchmark against a running 'pagedllm serve' (streaming /v1/completions).",
     ),
+    "startup": (
+        "pagedllm_bench.startup",
+        "Time 'pagedllm serve' from launch to its first healthy answer, and from SIGTERM to exit.",
+    ),
     "step": (
         "pagedllm_bench.step",
         "Time the phases of decode steps at a fixed batch: the engine's overhead outside the forward.",

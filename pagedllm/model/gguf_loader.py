@@ -18,6 +18,7 @@ tensor- or pipeline-parallel run that each hold a shard.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -118,7 +119,18 @@ class _FastGGUFReader(GGUFReader):
 
 
 def open_gguf(path: str) -> GGUFReader:
-    """Open a GGUF file for reading (metadata parsed eagerly, tensor data memory-mapped)."""
+    """Open a GGUF file for reading (metadata parsed eagerly, tensor data memory-mapped).
+
+    A process parses each file once: the reader (its metadata and its read-only mapping, which
+    nothing writes to) is shared by every engine of the process that loads the same file, as long
+    as the file's size and modification time are unchanged (a few files are kept).
+    """
+    st = os.stat(path)
+    return _open_gguf(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFReader:
     try:
         return _FastGGUFReader(path)
     except Exception:

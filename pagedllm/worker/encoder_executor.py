@@ -26,6 +26,7 @@ from pagedllm.model.bert import (
     load_bert_weights,
     max_seq_length,
 )
+from pagedllm.model.empty_init import empty_modules, to_empty
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
@@ -93,9 +94,9 @@ class EncoderExecutor:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_model_len "
                 f"({self.max_model_len}) for an encoder: a prompt is encoded whole, in one step."
             )
-        with torch.device("meta"):
+        with empty_modules():
             model = BertEncoder(self.model_config)
-        model = model.to_empty(device="cpu")
+        model = to_empty(model, "cpu")
         model.load_weights(weights)
         del weights
         self.model = model.to(device=self.device, dtype=self.dtype).eval()

@@ -17,6 +17,7 @@ from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.kernels.cpu.row_paths import prompt_rows
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
+from pagedllm.model.empty_init import empty_modules, to_empty
 from pagedllm.model.layers import RotaryEmbedding
 from pagedllm.model.llama import ForwardContext, LlamaForCausalLM
 from pagedllm.model.moe import pack_cpu_experts
@@ -108,9 +109,9 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.backend: AttentionBackend = get_attention_backend(attention_backend)
-        with torch.device("meta"):
+        with empty_modules():
             model = self._place_model(model_class(model_config)(model_config, max_model_len))
-        model = model.to_empty(device="cpu")
+        model = to_empty(model, "cpu")
         # Buffers are not in the checkpoint: rebuild the rotary tables for real.
         model.init_rotary(max_model_len)
         model.load_weights(install_gguf_blocks(model, weights))

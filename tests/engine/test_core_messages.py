@@ -23,8 +23,7 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.observe.stats import EngineStats
-from pagedllm.engine.proc.core_process import CoreOptions
-from pagedllm.engine.proc.launch import LocalCores, free_port_range, start_local_cores
+from pagedllm.engine.proc.launch import CoreOptions, LocalCores, free_port_range, start_local_cores
 from pagedllm.engine.proc.protocol import (
     AbortRequests,
     AddRequest,

@@ -120,7 +120,7 @@ class RemoteServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server not ready after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
 

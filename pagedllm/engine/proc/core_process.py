@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -48,6 +47,7 @@ from pagedllm.engine.engine_core import (
 from pagedllm.engine.errors import RequestError, as_request_error
 from pagedllm.engine.observe.engine_state import EngineCall, encode_state
 from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.engine.proc.launch import CoreOptions
 from pagedllm.engine.proc.output_codec import encode_output, metrics_times
 from pagedllm.engine.proc.protocol import (
     AbortRequests,
@@ -80,19 +80,6 @@ logger = logging.getLogger("pagedllm.sched")
 HEARTBEAT_S = 0.2
 # A core with no word from any front-end for this long exits (its front-ends are gone).
 FRONTEND_TIMEOUT_S = 30.0
-
-
-@dataclass
-class CoreOptions:
-    """How a core process runs (besides the engine arguments)."""
-
-    rank: int  # data-parallel rank
-    frontend_address: str  # front-end 0's socket, e.g. tcp://127.0.0.1:5570
-    max_queued_requests: int | None = None
-    grammar_compile_timeout: float = 10.0
-    log_stats_interval: float | None = 5.0
-    report_cache_events: bool = False  # send prefix-cache registrations/evictions (data parallel)
-    log_level: str = "info"
 
 
 class _CoreIO:
@@ -463,4 +450,4 @@ if __name__ == "__main__":
     main(sys.argv[1:])
 
 
-__all__ = ["CoreOptions", "EngineCoreProc", "engine_info", "main", "run_engine_core"]
+__all__ = ["EngineCoreProc", "engine_info", "main", "run_engine_core"]

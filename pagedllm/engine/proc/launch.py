@@ -13,9 +13,21 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.proc.core_process import CoreOptions
 
 logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class CoreOptions:
+    """How a core process runs (besides the engine arguments)."""
+
+    rank: int  # data-parallel rank
+    frontend_address: str  # front-end 0's socket, e.g. tcp://127.0.0.1:5570
+    max_queued_requests: int | None = None
+    grammar_compile_timeout: float = 10.0
+    log_stats_interval: float | None = 5.0
+    report_cache_events: bool = False  # send prefix-cache registrations/evictions (data parallel)
+    log_level: str = "info"
 
 
 def frontend_addresses(host: str, rpc_port: int, count: int) -> list[str]:
@@ -105,4 +117,4 @@ def start_local_cores(config: EngineConfig, ranks: list[int], options: CoreOptio
     return cores
 
 
-__all__ = ["LocalCores", "free_port_range", "frontend_addresses", "start_local_cores"]
+__all__ = ["CoreOptions", "LocalCores", "free_port_range", "frontend_addresses", "start_local_cores"]

@@ -29,8 +29,13 @@ from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.engine.observe.step_events import StepRecord
 from pagedllm.engine.proc.async_mp_engine import total_stats
 from pagedllm.engine.proc.core_client import CoreClient
-from pagedllm.engine.proc.core_process import CoreOptions
-from pagedllm.engine.proc.launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
+from pagedllm.engine.proc.launch import (
+    CoreOptions,
+    LocalCores,
+    free_port_range,
+    frontend_addresses,
+    start_local_cores,
+)
 from pagedllm.model.loader import load_model_tokenizer
 from pagedllm.model.tokenizer import render_chat, with_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput

@@ -27,15 +27,24 @@ import sys
 import tempfile
 import threading
 from types import FrameType
+from typing import NoReturn
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.observe.metrics import MULTIPROC_ENV, EngineMetrics
-from pagedllm.engine.proc.core_process import CoreOptions
-from pagedllm.engine.proc.launch import LocalCores, free_port_range, frontend_addresses, start_local_cores
+from pagedllm.engine.proc.launch import (
+    CoreOptions,
+    LocalCores,
+    free_port_range,
+    frontend_addresses,
+    start_local_cores,
+)
 from pagedllm.engine.proc.liveness import DEFAULT_LIVENESS_TIMEOUT_S
-from pagedllm.entrypoints.openai.api_server import add_cli_args, serve_engine
-from pagedllm.entrypoints.openai.cli_args import check_args, configure_logging, engine_config_from_args
+from pagedllm.entrypoints.openai.cli_args import (
+    add_cli_args,
+    check_args,
+    configure_logging,
+    engine_config_from_args,
+)
 from pagedllm.utils import die_with_parent
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.launcher")
@@ -66,16 +75,15 @@ def run(args: argparse.Namespace) -> int:
     if args.headless:
         return run_headless(args, config)
     if args.multiprocess:
-        return _exit_at_once_on_failure(run_multiprocess(args, config))
+        return _exit_at_once(run_multiprocess(args, config))
     return run_in_process(args, config)
 
 
-def _exit_at_once_on_failure(status: int) -> int:
-    """``status``, returned when 0; otherwise the process ends now, without the interpreter's teardown
-    (whose native destructors, torch's among them, take seconds): the server has stopped and every
-    process it started is reaped, and a supervisor should restart it without waiting for that."""
-    if status == 0:
-        return status
+def _exit_at_once(status: int) -> NoReturn:
+    """End the process now with ``status``, without the interpreter's teardown (whose native
+    destructors, torch's among them, take about a second): the server has stopped and every process
+    it started is reaped, so nothing is left to clean up, and a supervisor (or a test) waiting for
+    the exit need not wait for that. Logs and standard streams are flushed first."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -85,7 +93,9 @@ def _exit_at_once_on_failure(status: int) -> int:
 
 def run_in_process(args: argparse.Namespace, config: EngineConfig) -> int:
     """Load the model here, step it on a thread of this process, serve until SIGTERM/SIGINT."""
+    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import serve_engine
 
     try:
         llm_engine = LLMEngine.from_config(config)
@@ -143,8 +153,11 @@ def run_frontend(
     """Front-end ``index``: wait for every core, then serve HTTP until SIGTERM or the cores' death.
     ``owns_cores``: tell the cores to stop when it stops (one front-end; with several, the launcher
     stops them once every front-end has)."""
+    # The heavy imports (torch, transformers, the HTTP app) come here, after the cores were
+    # started: the cores load the model while this process imports.
     from pagedllm.engine.proc.async_mp_engine import AsyncMPEngine
     from pagedllm.engine.proc.core_client import CoreClient
+    from pagedllm.entrypoints.openai.api_server import serve_engine
     from pagedllm.model.loader import load_model_tokenizer
     from pagedllm.model.tokenizer import with_chat_template
 
@@ -216,7 +229,7 @@ def _frontend_main(
     die_with_parent()
     configure_logging(args.log_level)
     status = run_frontend(args, config, index, addresses, pids, sock=sock, owns_cores=False)
-    sys.exit(_exit_at_once_on_failure(status))
+    _exit_at_once(status)
 
 
 def _run_frontends(
