@@ -4,35 +4,32 @@ Each of ``--repeats`` runs launches ``python -m pagedllm serve`` on a free local
 arguments after ``--`` (default: the default model with a 1,024-token context and 256 KV blocks),
 and measures
 
-* start: from the launch to the first ``200`` from ``/health`` (polled every 20 ms);
+* start: from the launch to the first ``200`` from ``/health`` (polled every 0.1 s);
 * stop: from SIGTERM to the exit of the whole process tree (its status must be 0).
 
-The figures are the median and the smallest of the runs. Nothing is left running: a run that does
-not become ready within ``--timeout`` seconds, or exits with another status, is an error, and its
-process tree is killed.
+The figures are the median and the smallest of the runs. The server is started and stopped as the
+other server benchmarks do (:mod:`pagedllm_bench.servers`). Nothing is left running: a run that does
+not become ready within ``--timeout`` seconds, or exits with another status, is an error, and the
+server is stopped (it takes its own processes down with it).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-import httpx
 import psutil
 
 from pagedllm_bench.common import format_table, now_iso, write_json
+from pagedllm_bench.servers import free_port, start_server, stop_server
 
 logger = logging.getLogger("pagedllm_bench")
 
 DEFAULT_SERVE_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
-POLL_S = 0.02
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -46,56 +43,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        return
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(tree, timeout=10)
-
-
 def time_one_start(serve_args: list[str], timeout: float) -> tuple[float, float]:
     """(start seconds, stop seconds) of one ``pagedllm serve``; RuntimeError when it fails."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
-    began = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_server("pagedllm", cmd, f"http://127.0.0.1:{port}", "/health", timeout)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pagedllm serve exited with status {proc.returncode} while starting")
-            if time.perf_counter() - began > timeout:
-                raise RuntimeError(f"pagedllm serve was not ready after {timeout:.0f} s")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(POLL_S)
-        started = time.perf_counter() - began
-        tree = psutil.Process(proc.pid).children(recursive=True)
+        tree = psutil.Process(server.proc.pid).children(recursive=True)
         stopping = time.perf_counter()
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout)
+        server.proc.terminate()
+        status = server.proc.wait(timeout)
         psutil.wait_procs(tree, timeout=timeout)
         stopped = time.perf_counter() - stopping
     finally:
-        if proc.poll() is None:
-            _kill_tree(proc)
+        stop_server(server)
     if status != 0:
         raise RuntimeError(f"pagedllm serve exited with status {status} after SIGTERM")
-    return started, stopped
+    return server.ready_s, stopped
 
 
 def run(args: argparse.Namespace) -> int:
