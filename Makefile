@@ -5,6 +5,8 @@ PIP := $(VENV)/bin/pip
 PROMPT ?= Write a haiku about paged memory.
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# Worker processes of the test suite; each takes whole test files (their servers and fixtures).
+TEST_WORKERS ?= 2
 
 .PHONY: install serve generate test lint typecheck clean
 
@@ -37,7 +39,7 @@ typecheck: install
 test: install
 	$(VENV)/bin/ruff check pagedllm tests benchmarks
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

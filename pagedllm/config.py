@@ -68,7 +68,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None
     enforce_eager: bool = False
-    served_model_name: str | None = None
+    # The names the server answers to (the first is the one it reports); None: the model as given.
+    served_model_name: str | list[str] | None = None
     max_logprobs: int = 20
     async_scheduling: bool | None = None
     quantization: str = "auto"
@@ -106,6 +107,15 @@ class EngineConfig:
     adapt_cpu_threads: bool = True
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if names is not None and (
+            not (isinstance(names, str) or isinstance(names, list))
+            or not names
+            or not all(
+                isinstance(n, str) and n.strip() for n in ([names] if isinstance(names, str) else names)
+            )
+        ):
+            raise ValueError(f"served_model_name must be a name or a list of names, got {names!r}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -175,6 +185,19 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 
+    def served_names(self, derived: str) -> list[str]:
+        """The model names requests may use, the first the one responses and metrics report:
+        ``served_model_name``'s, else the model as it was given (a path or a name), else ``derived``
+        (the name of the default model, when none was given)."""
+        if self.served_model_name:
+            names = (
+                [self.served_model_name]
+                if isinstance(self.served_model_name, str)
+                else self.served_model_name
+            )
+            return list(dict.fromkeys(names))
+        return [self.model] if self.model else [derived]
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, with_model: bool = True) -> None:
         """Add every engine argument as a ``--kebab-case`` flag."""
@@ -183,6 +206,9 @@ class EngineConfig:
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default
+            if f.name == "served_model_name":  # one name or several, as vLLM's flag
+                parser.add_argument(flag, nargs="+", default=None, metavar="NAME")
+                continue
             if "bool" in str(f.type) or isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 continue

@@ -51,7 +51,7 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"kernels"},
 ]
-SHARED = {"config", "errors", "request", "sampling_params", "pooling_params", "outputs", "utils"}
+SHARED = {"config", "errors", "inputs", "request", "sampling_params", "pooling_params", "outputs", "utils"}
 # The arrows between packages of one layer, pinned where they are: the worker reads the scheduler's
 # output and uses the process groups; speculative decoding samples as the sampler does; the top
 # layer's entry points.

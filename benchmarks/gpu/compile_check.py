@@ -58,7 +58,8 @@ def model_config(name: str) -> ModelConfig:
         shape["num_hidden_layers"] = 1
         return ModelConfig(architecture="qwen3", qk_norm=True, tie_word_embeddings=True, **shape)
     if name == "default":
-        from pagedllm.model.gguf_loader import gguf_config, open_gguf
+        from pagedllm.model.gguf_loader import gguf_config
+        from pagedllm.model.gguf_reader import open_gguf
         from pagedllm.model.loader import default_model_path
 
         return dataclasses.replace(gguf_config(open_gguf(default_model_path())), num_hidden_layers=1)

@@ -5,7 +5,8 @@ engine once and measures, in this order (every phase after an untimed warm-up re
 
 * ``load``: seconds to build the engine (model read, weights prepared, KV cache allocated) and the
   resident memory it added (``VmRSS`` after minus before, with its anonymous and file-backed parts);
-  the KV pool holds just the batch phase's sequences at full length;
+  the KV pool holds just the batch phase's sequences at full length; then the memory added once a
+  first request has read every weight, with and without the KV pool (``rss_kv_apart_mib``);
 * ``decode``: batch-1 decode tokens/s, ``--decode-tokens`` tokens generated one per step after a
   one-token prompt (llama-bench's ``tg`` test: generation from an empty context), median of
   ``--repeats``;
@@ -32,6 +33,8 @@ from contextlib import contextmanager
 from typing import Any
 
 PHASES = ("load", "decode", "prompt", "batch", "busy")
+# The untimed warm-up request before the phases: prompt tokens, tokens generated.
+WARMUP_PROMPT, WARMUP_TOKENS = 16, 4
 
 
 def memory_status() -> dict[str, float]:
@@ -100,11 +103,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     phases = set(args.phases.split(","))
-    longest = max(args.decode_tokens + 2, args.prompt_tokens + 2, args.batch_prompt + args.batch_output)
+    batch = "batch" in phases
+    longest = max(
+        WARMUP_PROMPT + WARMUP_TOKENS,
+        args.decode_tokens + 2,
+        args.prompt_tokens + 2,
+        args.batch_prompt + args.batch_output if batch else 0,
+    )
     # A KV pool just large enough for the phases (the batch's sequences at full length, one block of
-    # slack each), so the memory added by loading is the weights' and not a default-sized pool's.
+    # slack each; one sequence without the batch phase), so that neither the memory nor the time of
+    # loading is a default-sized pool's.
     block = 16
-    seqs = max(args.batch_sequences, 1)
+    seqs = max(args.batch_sequences, 1) if batch else 1
     per_seq = -(-longest // block) + 1
     config = EngineConfig(
         model=args.model,
@@ -139,7 +149,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             random_workload(1, (n, n), (1, 1), engine.vocab_size, seed, exclude).requests[0].prompt_token_ids
         )
 
-    engine_latency(engine, prompt_of(16, 99), 4, "scale-warmup")
+    engine_latency(engine, prompt_of(WARMUP_PROMPT, 99), WARMUP_TOKENS, "scale-warmup")
+    # After a first request every weight has been read (mapped file pages count once touched), as in
+    # llama-server's figure, taken after its warm-up decode. The KV pool is set apart: its size is
+    # this benchmark's choice (float32, the batch phase's sequences at full length).
+    warm = memory_status()
+    kv_mib = engine.executor.kv_cache_bytes / 2**20
+    result["load"].update(
+        {
+            "kv_pool_mib": kv_mib,
+            "rss_after_first_request_mib": warm["VmRSS"] - before["VmRSS"],
+            "rss_kv_apart_mib": warm["VmRSS"] - before["VmRSS"] - kv_mib,
+            "rss_file_after_first_request_mib": warm.get("RssFile", 0.0) - before.get("RssFile", 0.0),
+        }
+    )
 
     def decode() -> dict[str, Any]:
         runs = [

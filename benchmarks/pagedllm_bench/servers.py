@@ -10,7 +10,6 @@ memory from ``/proc``.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from pagedllm.utils import free_port_range
 from pagedllm_bench.native import NativeTools
 from pagedllm_bench.native_run import Variant
 
@@ -35,10 +35,8 @@ class ServerProcess:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now (outside the ephemeral range, as the engine's own ports)."""
+    return free_port_range("127.0.0.1")
 
 
 def _log_tail(path: str, chars: int = 2000) -> str:

@@ -125,8 +125,9 @@ def measure_tool_call_throughput(
     """``tool_choice="required"`` against the same chat requests unconstrained (greedy, timed alike).
 
     The prompts are chats rendered with ``BENCHMARK_TOOLS`` in the template's tool section, so the
-    engine's chat template must render tools (for SmolLM2: ``chat_template`` =
-    ``examples/chat_templates/smollm2_hermes_tools.jinja``); the constraint is the server's own
+    engine's chat template must render tools (SmolLM2's own has no tools section: pagedllm renders
+    them with its shipped ``pagedllm/model/chat_templates/smollm2_hermes_tools.jinja``, see
+    :func:`pagedllm.model.tokenizer.tools_template`); the constraint is the server's own
     (:func:`pagedllm.entrypoints.openai.tool_calls.plan_tools`).
     """
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest

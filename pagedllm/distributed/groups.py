@@ -12,13 +12,13 @@ the engine is idle (the command group's timeout is a year).
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from pagedllm.distributed.placement import RankPlacement
+from pagedllm.utils import free_port_range
 
 # A rank waits this long for the driver's next command: an idle engine must not time its ranks out.
 COMMAND_TIMEOUT = datetime.timedelta(days=365)
@@ -58,10 +58,9 @@ class ParallelGroups:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (for a single machine's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on now, outside the ephemeral range (for a single machine's
+    rendezvous)."""
+    return free_port_range(host, 1)
 
 
 def init_groups(

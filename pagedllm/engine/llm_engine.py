@@ -129,6 +129,7 @@ class LLMEngine:
         self.step_events = StepEvents()  # a bounded record of the latest steps (the dashboard's)
         self.step_times = StepPhaseTimes()
         self.num_generation_tokens = 0
+        self._idle = True  # no request ran since the executor last released idle memory
         # The objects made so far (model, tokenizer, torch and transformers modules) live as long as
         # the engine: keep them out of the collector's full passes, which the per-step objects of a
         # few hundred running requests would otherwise trigger every few dozen steps.
@@ -216,12 +217,24 @@ class LLMEngine:
                 self._settle()
             else:
                 outputs += self._resolve(launched)
+        self._note_idleness()
         return outputs
 
     def step_pooling(self) -> list[EmbeddingRequestOutput]:
         """Schedule prompts (each whole, under the step's budgets), pool them, and return their
         embeddings; every scheduled request finishes in this step, its KV blocks freed (embed engines)."""
-        return self.task_strategy.step_pooling(self)
+        outputs = self.task_strategy.step_pooling(self)
+        self._note_idleness()
+        return outputs
+
+    def _note_idleness(self) -> None:
+        """Once the last request has finished, the executor gives freed host memory back (once per
+        idle period, not every empty step)."""
+        if self.has_unfinished_requests():
+            self._idle = False
+        elif not self._idle:
+            self._idle = True
+            self.executor.release_idle_memory()
 
     def _settle(self) -> None:
         """Resolve the steps in flight once every request in them has finished (all their tokens

@@ -13,11 +13,12 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, beam_search
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.inputs import PromptType, parse_prompt
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = PromptType
 Message = dict[str, Any]
 
 
@@ -78,7 +79,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of ``prompts``.
 
-        ``prompts`` are strings or token-id lists (a single one may be passed bare).
+        ``prompts`` are strings, token-id lists or vLLM's prompt dicts (``{"prompt": text}``,
+        ``{"prompt_token_ids": ids}``; :mod:`pagedllm.inputs`); a single one may be passed bare.
         ``sampling_params`` is one for all prompts or one per prompt; None means
         :meth:`get_default_sampling_params`. ``priority``: one integer per prompt, for an engine
         with ``scheduling_policy="priority"`` (lower values run first).
@@ -238,10 +240,12 @@ class LLM:
         return [finished[i] for i in ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """One prompt (a string, a token list or a prompt dict) or a sequence of them, as the engine takes
+    them (see :func:`pagedllm.inputs.parse_prompt`; errors name the entry)."""
+    if isinstance(prompts, (str, dict)):
+        return [parse_prompt(prompts)]
     items = list(prompts)
-    if items and isinstance(items[0], int):
-        return [items]  # type: ignore[list-item]
-    return items  # type: ignore[return-value]
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [parse_prompt(items)]
+    return [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(items)]

@@ -4,10 +4,11 @@ Each line of the input file is one request in OpenAI's Batch input format::
 
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
-``url`` is ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/embeddings``. Every line is answered
-by the OpenAI server's own app, built in this process and called without a network
-(``httpx.ASGITransport``), so a line's result or error is exactly what ``pagedllm serve`` with the
-same engine flags would answer (request limits are the server's defaults). Up to ``max_num_seqs``
+``url`` is ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings`` or ``/v1/responses``.
+Every line is answered by the OpenAI server's own app, built in this process and called without a
+network (``httpx.ASGITransport``), so a line's result or error is exactly what ``pagedllm serve``
+with the same engine flags (and ``--tool-call-parser``, ``--enable-auto-tool-choice``,
+``--reasoning-parser``, ``--chat-template``) would answer (request limits are the server's defaults). Up to ``max_num_seqs``
 lines are in flight at once, so the engine batches them.
 
 Invariants: the output has exactly one line per input line, in input order (a blank line, too, is
@@ -33,12 +34,17 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.openai.cli_args import configure_logging, engine_config_from_args
+from pagedllm.entrypoints.openai.cli_args import (
+    add_output_parser_args,
+    check_output_parser_args,
+    configure_logging,
+    engine_config_from_args,
+)
 from pagedllm.entrypoints.openai.limits import DEFAULT_CHAT_TEMPLATE_TIMEOUT
 
 logger = logging.getLogger("pagedllm.entrypoints.run_batch")
 
-BATCH_URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+BATCH_URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")
 _LINE_FIELDS = ("custom_id", "method", "url", "body")
 
 
@@ -256,6 +262,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         help="Log level (default info).",
     )
+    add_output_parser_args(parser)
     EngineConfig.add_cli_args(parser, with_model=False)
 
 
@@ -285,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
     problem = check_files(args.input_file, args.output_file)
     if problem is None and not args.chat_template_timeout > 0:
         problem = f"--chat-template-timeout must be positive, got {args.chat_template_timeout}."
+    if problem is None:
+        problem = check_output_parser_args(args)
     if problem is not None:
         logger.error(problem)
         return 2
@@ -307,13 +316,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         logger.error("Could not start the engine: %s", exc)
         return 1
-    served_name = config.served_model_name or str(llm_engine.model_name)
+    served_names = config.served_names(str(llm_engine.model_name))
     engine = AsyncLLMEngine(llm_engine, log_stats_interval=None)
     settings = ServerSettings(
-        served_model_names=[served_name],
+        served_model_names=served_names,
         max_logprobs=config.max_logprobs,
         trust_request_chat_template=args.trust_request_chat_template,
         limits=RequestLimits(chat_template_timeout=args.chat_template_timeout),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(engine, settings)
     started = time.perf_counter()

@@ -170,6 +170,10 @@ class ModelConfig:
     None, every layer is sliding if ``sliding_window`` is set (Mistral) and full otherwise. Read a
     layer's window with :meth:`layer_sliding_window`.
     ``eos_token_ids`` are every token id that ends generation.
+    ``rope_interleaved``: the q/k projections' rows keep llama.cpp's GGUF order, in which each head's
+    rotary pairs are rows (2i, 2i + 1) rather than HF's (i, i + head_dim / 2); rotary embedding then
+    rotates those pairs. Queries and keys carry the same reordering of each head's dimensions, so
+    attention scores are HF's (the KV cache holds keys in that order); it saves copying the rows.
     Gemma only: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (None: by
     ``head_dim ** -0.5``); ``attn_logit_softcapping`` / ``final_logit_softcapping`` soft-cap the
     attention scores / the output logits (``cap * tanh(x / cap)``; None: no cap);
@@ -191,6 +195,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    rope_interleaved: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None

@@ -109,6 +109,7 @@ class NativeDecodeLayers:
             eps=float(model.norm.eps),
             scale=float(layers[0].self_attn.scale),
             block_size=kv_caches[0][0].shape[1],
+            rope_interleaved=cfg.rope_interleaved,
         )
         self.kernel = DecodeLayersKernel(tensors, model.norm.weight, shape)
 

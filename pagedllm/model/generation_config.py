@@ -2,7 +2,9 @@
 argument, ``--generation-config auto|vllm|FOLDER``).
 
 * ``auto``: a Hugging Face model directory's ``generation_config.json``, or a GGUF file's
-  ``general.sampling.*`` metadata; a model without either has no defaults.
+  ``general.sampling.*`` metadata, or for a shipped file without them its model card's values
+  (:data:`MODEL_CARD_DEFAULTS`: the default model samples at temperature 0.2, top_p 0.9); a model
+  without any has no defaults.
 * ``vllm``: no model defaults; the built-in neutral values of :class:`SamplingParams` apply.
 * a folder: that folder's ``generation_config.json`` (it must exist).
 
@@ -24,13 +26,20 @@ from typing import Any
 
 from gguf import GGUFValueType, Keys
 
+from pagedllm.model.gguf_scan import GGUFScanner
 from pagedllm.model.hf_loader import read_json
-from pagedllm.model.loader import resolve_model_path
+from pagedllm.model.loader import DEFAULT_MODEL_FILE, resolve_model_path
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Sampling defaults of shipped model files that carry none in their metadata, by file name, from
+# their model cards: SmolLM2-135M-Instruct's card samples with temperature 0.2 and top_p 0.9 (at the
+# neutral temperature 1.0 the 135M model's replies are mostly word salad).
+MODEL_CARD_DEFAULTS: dict[str, dict[str, float | int]] = {
+    DEFAULT_MODEL_FILE: {"temperature": 0.2, "top_p": 0.9},
+}
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 # GGUF metadata key -> SamplingParams field (llama.cpp's names for the same defaults).
@@ -64,9 +73,13 @@ def load_generation_defaults(setting: str, model: str | None) -> GenerationDefau
             values = {
                 GGUF_SAMPLING_KEYS[k]: _f32(v) if isinstance(v, float) else v for k, v in metadata.items()
             }
-            defaults = GenerationDefaults(
-                _checked(values, f"{path} (general.sampling.*)"), f"{path} metadata"
-            )
+            card = MODEL_CARD_DEFAULTS.get(os.path.basename(path))
+            if not values and card is not None:
+                defaults = GenerationDefaults(dict(card), f"{os.path.basename(path)}'s model card")
+            else:
+                defaults = GenerationDefaults(
+                    _checked(values, f"{path} (general.sampling.*)"), f"{path} metadata"
+                )
         else:
             config_path = os.path.join(path, GENERATION_CONFIG_FILE)
             found = os.path.isfile(config_path)
@@ -122,20 +135,6 @@ def _f32(value: float) -> float:
 # (GGUFReader decodes every key, the tokenizer's vocabulary included, which costs a large part of a
 # second on a small model's file; here the other values are only stepped over.)
 
-_SCALARS = {
-    GGUFValueType.UINT8: "B",
-    GGUFValueType.INT8: "b",
-    GGUFValueType.UINT16: "H",
-    GGUFValueType.INT16: "h",
-    GGUFValueType.UINT32: "I",
-    GGUFValueType.INT32: "i",
-    GGUFValueType.FLOAT32: "f",
-    GGUFValueType.BOOL: "?",
-    GGUFValueType.UINT64: "Q",
-    GGUFValueType.INT64: "q",
-    GGUFValueType.FLOAT64: "d",
-}
-
 
 def read_gguf_metadata(path: str, wanted: Callable[[str], bool]) -> dict[str, Any]:
     """The metadata values of the GGUF file ``path`` whose keys ``wanted`` accepts, decoded as
@@ -152,7 +151,7 @@ def read_gguf_metadata(path: str, wanted: Callable[[str], bool]) -> dict[str, An
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3).")
         (num_kv,) = struct.unpack_from(order + "Q", data, 16)
-        reader = _Scanner(data, order, 24)
+        reader = GGUFScanner(data, order, 24)
         out: dict[str, Any] = {}
         for _ in range(num_kv):
             key = reader.string()
@@ -162,44 +161,3 @@ def read_gguf_metadata(path: str, wanted: Callable[[str], bool]) -> dict[str, An
             else:
                 reader.skip(kind)
         return out
-
-
-class _Scanner:
-    """Reads GGUF values from ``data`` at ``pos``, advancing it."""
-
-    def __init__(self, data: mmap.mmap, order: str, pos: int) -> None:
-        self.data, self.order, self.pos = data, order, pos
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(self.order + fmt, self.data, self.pos)
-        self.pos += struct.calcsize(self.order + fmt)
-        return value
-
-    def string(self) -> str:
-        size = self.scalar("Q")
-        text = bytes(self.data[self.pos : self.pos + size]).decode("utf-8")
-        self.pos += size
-        return text
-
-    def value(self, kind: GGUFValueType) -> Any:
-        if kind == GGUFValueType.STRING:
-            return self.string()
-        if kind == GGUFValueType.ARRAY:
-            item = GGUFValueType(self.scalar("I"))
-            return [self.value(item) for _ in range(self.scalar("Q"))]
-        return self.scalar(_SCALARS[kind])
-
-    def skip(self, kind: GGUFValueType) -> None:
-        if kind == GGUFValueType.STRING:
-            size = self.scalar("Q")
-            self.pos += size
-        elif kind == GGUFValueType.ARRAY:
-            item = GGUFValueType(self.scalar("I"))
-            count = self.scalar("Q")
-            if item in _SCALARS:
-                self.pos += count * struct.calcsize(self.order + _SCALARS[item])
-            else:
-                for _ in range(count):
-                    self.skip(item)
-        else:
-            self.pos += struct.calcsize(self.order + _SCALARS[kind])

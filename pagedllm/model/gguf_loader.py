@@ -6,8 +6,11 @@ Q5_0 blocks become the Q8_0 blocks of the same values);
 every other tensor (and every tensor without ``keep_quantized``) is dequantized to float32 with
 ``gguf.quants.dequantize`` (vectorised numpy). Names are mapped from llama.cpp's scheme (``blk.N.attn_q.weight``) to Hugging Face's (``model.layers.N.self_attn.q_proj.weight``).
 For the "llama" architecture, llama.cpp's converter reorders the rows of the query and key
-projections (it interleaves the two rotary halves of every head); that reordering is undone here so
-the weights are the ones of the original Hugging Face model. Gemma 2 / 3 files store every norm
+projections (it interleaves the two rotary halves of every head). With ``keep_quantized`` the rows
+stay as stored (views of the file, no copy) and the config says ``rope_interleaved``: rotary
+embedding rotates the interleaved pairs, which gives HF's attention scores (queries and keys share
+the reordering). Otherwise the reordering is undone so that the weights are the original Hugging
+Face model's. Gemma 2 / 3 files store every norm
 weight plus one (llama.cpp's RMSNorm scales by the weight, Gemma's by one plus it); one is taken off
 again here, as transformers' GGUF loader does.
 
@@ -18,7 +21,7 @@ tensor- or pipeline-parallel run that each hold a shard.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import math
 import os
@@ -26,9 +29,8 @@ import re
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pagedllm.kernels.cpu.quant import (
@@ -39,6 +41,7 @@ from pagedllm.kernels.cpu.quant import (
 )
 from pagedllm.model.config import ModelConfig, unsupported_architecture_error
 from pagedllm.model.gguf_mapping import map_file_bytes, release_file_pages
+from pagedllm.model.gguf_reader import open_gguf, read_metadata
 from pagedllm.model.hf_loader import TensorSelector, check_selection, is_whole, meta_tensors
 
 logger = logging.getLogger(__name__)
@@ -94,66 +97,6 @@ _ROTARY_PERMUTED = (".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k
 
 # llama.cpp stores llama3-style RoPE scaling as this tensor of per-frequency divisors.
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-class _FastGGUFReader(GGUFReader):
-    """``GGUFReader`` that slices a plain ndarray view of the file mapping while parsing metadata.
-
-    Slicing an ``np.memmap`` runs Python-level ``__array_finalize__`` hooks; with ~100k vocabulary
-    strings in the metadata that dominates the parse time (about 4x slower). The arrays handed out
-    are still zero-copy views of the same read-only mapping.
-    """
-
-    def _get(
-        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: Any = None
-    ) -> npt.NDArray[Any]:
-        plain = self.__dict__.get("_plain_data")
-        if plain is None:
-            plain = self.data.view(np.ndarray)
-            self._plain_data = plain
-        count = int(count)
-        end = offset + np.dtype(dtype).itemsize * count
-        arr = plain[offset:end].view(dtype=dtype)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr.view(arr.dtype.newbyteorder(order))
-
-
-def open_gguf(path: str) -> GGUFReader:
-    """Open a GGUF file for reading (metadata parsed eagerly, tensor data memory-mapped).
-
-    A process parses each file once: the reader (its metadata and its read-only mapping, which
-    nothing writes to) is shared by every engine of the process that loads the same file, as long
-    as the file's size and modification time are unchanged (a few files are kept).
-    """
-    st = os.stat(path)
-    return _open_gguf(os.path.realpath(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    try:
-        return _FastGGUFReader(path)
-    except Exception:
-        # Fall back to the stock reader; it raises the meaningful error for a malformed file.
-        return GGUFReader(path)
-
-
-def _field_value(field: ReaderField) -> Any:
-    """Decode a scalar, string or array metadata field."""
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]].tolist()[0]
-
-
-def read_metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """The value of metadata ``key`` (decoded), or ``default`` when absent."""
-    field = reader.fields.get(key)
-    return default if field is None else _field_value(field)
 
 
 def _f32(value: float) -> float:
@@ -491,6 +434,10 @@ def load_gguf(
         )
     rope_freqs = _dequantize_f32(by_name[_ROPE_FREQS]) if _ROPE_FREQS in by_name else None
     config = gguf_config(reader, rope_freqs)
+    # The q/k rows stay in the file's order (no copy) when the weights stay in the file's blocks.
+    unpermute = gguf_arch == "llama" and not (keep_quantized and not config.qk_norm)
+    if gguf_arch == "llama" and not unpermute:
+        config = dataclasses.replace(config, rope_interleaved=True)
 
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     file_bytes = map_file_bytes(reader)
@@ -534,15 +481,16 @@ def load_gguf(
             arr = _selected_f32(tensor, index) if index else _dequantize_f32(tensor)
             release_file_pages(reader, tensor.data_offset, tensor.n_bytes)
         if gguf_arch == "llama" and tensor.name.endswith(_ROTARY_PERMUTED):
-            # Whole rows move (a quantized row's blocks with it), within each head: the selected
-            # rows (whole heads) are unpermuted by themselves.
+            # A shard holds whole heads (their rows are reordered within each head). Unpermuting
+            # moves whole rows (a quantized row's blocks with it): the selected heads by themselves.
             is_q = tensor.name.endswith((".attn_q.weight", ".attn_q.bias"))
             heads = config.num_attention_heads if is_q else config.num_key_value_heads
             if row_sliced:
                 heads = _selected_heads(hf_name, index[0], full_shapes[hf_name][0], config.head_dim)
-            arr = unpermute_rotary_rows(arr, heads)
-            if weight is not None and not index:
-                release_file_pages(reader, tensor.data_offset, tensor.n_bytes)  # now a copy
+            if unpermute:
+                arr = unpermute_rotary_rows(arr, heads)
+                if weight is not None and not index:
+                    release_file_pages(reader, tensor.data_offset, tensor.n_bytes)  # now a copy
         if gguf_arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm scales by the
             # weight); the model here scales by 1 + weight, as transformers does.

@@ -43,9 +43,16 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None = None
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
+        # The rotated pairs: (i, i + head_dim / 2), or (2i, 2i + 1) (ModelConfig.rope_interleaved).
+        self.interleaved = interleaved
         rope = rope_frequencies(head_dim, base, scaling, max_position)
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, rope.inv_freq)
@@ -57,13 +64,10 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: torch.Tensor) -> RotaryTables:
         """What rotating ``positions`` needs, prepared once per forward and shared by every layer."""
-        if cpu_ops.usable(self.cos_cache) and positions.device.type == "cpu":
-            return RotaryTables(positions, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache[positions]
-        sin = self.sin_cache[positions]
-        # Full-width rows so that a head rotates as x * cos + swap_halves(x) * signed_sin.
-        full = (torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1))
-        return RotaryTables(positions, self.cos_cache, self.sin_cache, full)
+        tables = RotaryTables(positions, self.cos_cache, self.sin_cache, interleaved=self.interleaved)
+        if not (cpu_ops.usable(self.cos_cache) and positions.device.type == "cpu"):
+            tables.full = tables.full_rows()
+        return tables
 
 
 @dataclass
@@ -71,25 +75,37 @@ class RotaryTables:
     positions: torch.Tensor  # [T]
     cos_cache: torch.Tensor  # [max_pos, D / 2] float32
     sin_cache: torch.Tensor
-    # The torch path's per-token rows: (cos, cos) and (-sin, sin), each [T, 1, D]; None when the
-    # native CPU kernel rotates straight from the caches.
+    # The torch path's per-token rows: cos and signed sin at each dimension, each [T, 1, D]; None
+    # when the native CPU kernel rotates straight from the caches.
     full: tuple[torch.Tensor, torch.Tensor] | None = None
+    interleaved: bool = False  # the rotated pairs are (2i, 2i + 1), not (i, i + D / 2)
+
+    def full_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width rows so that a head rotates as x * cos + swap_pairs(x) * signed_sin."""
+        cos = self.cos_cache[self.positions]
+        sin = self.sin_cache[self.positions]
+        if self.interleaved:  # (c0, c0, c1, c1, ...) and (-s0, s0, -s1, s1, ...)
+            signed = torch.stack((-sin, sin), -1).flatten(-2)
+            return cos.repeat_interleave(2, -1).unsqueeze(1), signed.unsqueeze(1)
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, heads, D]`` (any head count: q and k heads may be rotated together).
 
-        Equal to HF's ``x * cos + rotate_half(x) * sin``, computed in float32. On the native CPU path
-        ``x`` is rotated in place (callers pass projection outputs they own).
+        Equal to HF's ``x * cos + rotate_half(x) * sin`` (with its pairs where ``interleaved`` puts
+        them), computed in float32. On the native CPU path ``x`` is rotated in place (callers pass
+        projection outputs they own).
         """
         if self.full is None and x.stride(-1) == 1 and cpu_ops.usable(x):
-            return cpu_ops.rotary_(x, self.positions, self.cos_cache, self.sin_cache)
+            return cpu_ops.rotary_(x, self.positions, self.cos_cache, self.sin_cache, self.interleaved)
         if self.full is None:
-            cos = self.cos_cache[self.positions]
-            sin = self.sin_cache[self.positions]
-            self.full = (torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1))
+            self.full = self.full_rows()
         t, h, d = x.shape
         x32 = x.float()
-        swapped = x32.reshape(t, h, 2, d // 2).flip(2).reshape(t, h, d)
+        if self.interleaved:
+            swapped = x32.reshape(t, h, d // 2, 2).flip(3).reshape(t, h, d)
+        else:
+            swapped = x32.reshape(t, h, 2, d // 2).flip(2).reshape(t, h, d)
         return torch.addcmul(x32 * self.full[0], swapped, self.full[1]).to(x.dtype)
 
 

@@ -105,7 +105,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, interleaved=cfg.rope_interleaved
+        )
         self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -113,7 +115,9 @@ class LlamaForCausalLM(nn.Module):
     def init_rotary(self, max_position: int) -> None:
         """(Re)build the float32 rotary tables (on the CPU; the runner moves the model afterwards)."""
         cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, interleaved=cfg.rope_interleaved
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""

@@ -193,6 +193,45 @@ def template_handles_tools(template: str | None) -> bool:
     return template is not None and re.search(r"\btools\b", template) is not None
 
 
+# Chat templates shipped with pagedllm (``pagedllm/model/chat_templates/``) for models whose own
+# template has no tools section, by the sha256 of that own template: SmolLM2's instruct models (the
+# default model among them) get Hermes-style tool calls, which ``--tool-call-parser hermes`` reads.
+CHAT_TEMPLATES_DIR = Path(__file__).resolve().parent / "chat_templates"
+SMOLLM2_TOOLS_TEMPLATE = CHAT_TEMPLATES_DIR / "smollm2_hermes_tools.jinja"
+_TOOLS_TEMPLATES = {
+    "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788": SMOLLM2_TOOLS_TEMPLATE,
+}
+
+
+def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation holds tool calls or tool results (which a template without a tools
+    section does not render either)."""
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def shipped_template_for(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[Any] | None
+) -> str | None:
+    """The shipped template to render this conversation with: when it has tools or tool turns and the
+    model's own template does not render them (see :func:`tools_template`); None otherwise."""
+    if not (tools or has_tool_turns(messages)):
+        return None
+    if template_handles_tools(getattr(tokenizer, "chat_template", None)):
+        return None
+    return tools_template(tokenizer)
+
+
+def tools_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The shipped template that renders a conversation with tools for this tokenizer, when its own
+    chat template does not and pagedllm ships one for it (a template given with ``chat_template``
+    replaces the model's own and gets none); None otherwise."""
+    own = getattr(tokenizer, "chat_template", None)
+    if not isinstance(own, str) or template_handles_tools(own):
+        return None
+    path = _TOOLS_TEMPLATES.get(hashlib.sha256(own.encode("utf-8")).hexdigest())
+    return path.read_text(encoding="utf-8") if path is not None else None
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
@@ -200,11 +239,17 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a conversation; ``tools`` (OpenAI tool objects) need a template that
-    renders them (ValueError otherwise: the model would never see them)."""
-    if tools and not template_handles_tools(getattr(tokenizer, "chat_template", None)):
+    renders them (ValueError otherwise: the model would never see them). A model whose own template
+    has no tools section renders conversations with tools, or with tool calls and results in their
+    history, with the template pagedllm ships for it (:func:`tools_template`), if any."""
+    extra: dict[str, Any] = {}
+    shipped = shipped_template_for(tokenizer, messages, tools)
+    if shipped is not None:
+        extra["chat_template"] = shipped
+    elif tools and not template_handles_tools(getattr(tokenizer, "chat_template", None)):
         raise ValueError(
             "tools: the chat template does not render tools; load the model with chat_template= a "
-            "template that does (for SmolLM2: examples/chat_templates/smollm2_hermes_tools.jinja)."
+            "template that does."
         )
     return str(
         tokenizer.apply_chat_template(
@@ -212,5 +257,6 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             tools=list[Any](tools) if tools else None,
+            **extra,
         )
     )

@@ -5,7 +5,8 @@ glibc's defaults, blocks above a (moving) threshold are fresh ``mmap`` regions a
 the top of the heap is given back to the kernel, so the activations of each layer, which a forward
 allocates and frees hundreds of times, are page-faulted in anew every time: about a fifth of a
 small decode step and of a large prefill GEMM on the CPUs measured (see docs/PERFORMANCE.md).
-:func:`keep_freed_memory` makes ``malloc`` keep freed blocks for reuse instead.
+:func:`keep_freed_memory` makes ``malloc`` keep freed blocks for reuse instead, and :func:`trim_freed_memory` gives them back
+once the engine is idle (so that an idle server holds its weights, KV cache and little else).
 
 The paged KV cache is read block by block at scattered addresses; :func:`advise_huge_pages` asks
 for transparent huge pages for it, so that those reads miss the TLB far less often.
@@ -74,6 +75,18 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.debug("malloc thresholds not set; freed activations are returned to the kernel.")
     return ok
+
+
+def trim_freed_memory() -> bool:
+    """Give the free memory that :func:`keep_freed_memory` keeps (freed activations) back to the
+    kernel (``malloc_trim``), for a process that has gone idle; returns whether any was released."""
+    libc = _libc()
+    if libc is None:
+        return False
+    try:
+        return bool(libc.malloc_trim(0))
+    except AttributeError:  # not glibc
+        return False
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

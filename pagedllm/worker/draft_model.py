@@ -34,7 +34,8 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.gguf_loader import gguf_config, open_gguf
+from pagedllm.model.gguf_loader import gguf_config
+from pagedllm.model.gguf_reader import open_gguf
 from pagedllm.model.hf_loader import load_hf_config
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.request import Request

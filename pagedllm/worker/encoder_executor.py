@@ -32,7 +32,7 @@ from pagedllm.model.pooling import pool_hidden
 from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
 from pagedllm.sched.preemption import PreemptionCosts
 from pagedllm.sched.scheduler import SchedulerOutput
-from pagedllm.worker.cpu_memory import keep_freed_memory
+from pagedllm.worker.cpu_memory import keep_freed_memory, trim_freed_memory
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, to_device
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import RunnerOutput
@@ -79,7 +79,7 @@ class EncoderExecutor:
         weights = load_bert_weights(path, self.model_config)
         tokenizer = load_tokenizer(config.tokenizer if config.tokenizer is not None else path)
         self.tokenizer = with_chat_template(tokenizer, config.chat_template)
-        self.model_name = config.served_model_name or os.path.basename(os.path.normpath(path))
+        self.model_name = config.served_names(os.path.basename(os.path.normpath(path)))[0]
         model_max = max_seq_length(path, self.model_config)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(
@@ -129,6 +129,10 @@ class EncoderExecutor:
 
     def shutdown(self) -> None:
         """Nothing to stop: the encoder runs in the engine's process."""
+
+    def release_idle_memory(self) -> None:
+        if self.device.type == "cpu":
+            trim_freed_memory()
 
     def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:
         """Generation steps: an encoder has none (the engine runs task embed)."""

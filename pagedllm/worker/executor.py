@@ -24,7 +24,7 @@ from pagedllm.model.quantization import check_before_loading, settle_weights
 from pagedllm.model.tokenizer import with_chat_template
 from pagedllm.sched.preemption import PreemptionCosts
 from pagedllm.sched.scheduler import SchedulerOutput
-from pagedllm.worker.cpu_memory import anonymous_resident_bytes, weight_memory
+from pagedllm.worker.cpu_memory import anonymous_resident_bytes, trim_freed_memory, weight_memory
 from pagedllm.worker.cpu_threads import ThreadGovernor
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
 from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -60,7 +60,7 @@ class Executor:
         self.config = config
         self.tokenizer = with_chat_template(ckpt.tokenizer, config.chat_template)
         self.model_config = ckpt.config
-        self.model_name = config.served_model_name or ckpt.name
+        self.model_name = config.served_names(ckpt.name)[0]
         model_max = ckpt.config.scaled_context_length()
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(
@@ -159,6 +159,10 @@ class Executor:
         """Let steps launched back to back run at once on the executor's pipeline stages, each
         stage on a different step; returns the number of stages (1: steps run one after another)."""
         return 1
+
+    def release_idle_memory(self) -> None:
+        if self.device.type == "cpu":
+            trim_freed_memory()
 
     def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:
         """Launch a step's forward and sampling: the rows that sample, their tokens (on the device)

@@ -12,6 +12,7 @@ than a type to test for.
 - Steps that overlap: :meth:`interleave_steps` (1 where steps run one after another).
 - The preemption cost model: ``preemption_costs`` (None: not measured, no host tier).
 - Generation and pooling: :meth:`launch` (an encoder raises: it does not generate) and :meth:`pool`.
+- Going idle: :meth:`release_idle_memory` (the CPU's freed activations back to the OS).
 - The paged model runner, for introspection: ``runner`` (an encoder raises ValueError: it has none).
 """
 
@@ -107,6 +108,11 @@ class ModelExecutor(Protocol):
     def interleave_steps(self) -> int:
         """Let steps launched back to back run at once on pipeline stages; returns the number of
         stages (1: steps run one after another)."""
+        ...
+
+    def release_idle_memory(self) -> None:
+        """The engine has nothing left to run: give host memory that was freed back to the OS
+        (best effort; the next steps fault their activations in again)."""
         ...
 
     def launch(self, scheduler_output: SchedulerOutput, times: StepPhaseTimes) -> RunnerOutput:

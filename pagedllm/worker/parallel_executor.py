@@ -59,7 +59,8 @@ def read_model_config(model: str | None) -> ModelConfig:
     """The model's config alone (no weights read)."""
     kind, path = resolve_model_path(model)
     if kind == "gguf":
-        from pagedllm.model.gguf_loader import gguf_config, open_gguf
+        from pagedllm.model.gguf_loader import gguf_config
+        from pagedllm.model.gguf_reader import open_gguf
 
         return gguf_config(open_gguf(path))
     import glob

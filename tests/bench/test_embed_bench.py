@@ -16,7 +16,7 @@ def test_bench_embed_reports_both_systems(tmp_path: Path, capsys: pytest.Capture
     argv = ["bench", "embed", "--num-sentences", "40", "--max-words", "60", "--output-json", str(out)]
     assert main(argv) == 0
     data = json.loads(out.read_text())
-    assert data["model"] == "all-MiniLM-L6-v2"
+    assert data["model"] == "sentence-transformers/all-MiniLM-L6-v2"  # the model as it was named
     workload = data["workload"]
     assert workload["num_sentences"] == 40 and workload["num_tokens"] > 40 * 3
     assert data["baseline_batch_size"] == 32 and data["num_threads"] >= 1

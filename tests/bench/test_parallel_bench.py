@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from helpers.model_factory import make_tiny_hf_model
+from helpers.processes import own_descendants
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import main
 from pagedllm_bench import parallel as parallel_bench
@@ -25,7 +26,7 @@ TINY = [
 def rank_processes() -> list[psutil.Process]:
     """Rank processes started by this test process (alive ones)."""
     out = []
-    for child in psutil.Process().children(recursive=True):
+    for child in own_descendants():
         try:
             if (
                 "pagedllm.worker.parallel_executor" in " ".join(child.cmdline())

@@ -9,6 +9,7 @@ from typing import Any
 import psutil
 import pytest
 
+from helpers.processes import own_descendants
 from pagedllm_bench.common import write_json
 from pagedllm_bench.prefix_routing import (
     ONE_CORE,
@@ -30,7 +31,7 @@ CORE_MODULE = "pagedllm.engine.proc.core_process"
 
 def _core_processes() -> list[psutil.Process]:
     found = []
-    for proc in psutil.Process().children(recursive=True):
+    for proc in own_descendants():
         try:
             if any(CORE_MODULE in part for part in proc.cmdline()):
                 found.append(proc)

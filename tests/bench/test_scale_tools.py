@@ -75,6 +75,29 @@ def test_tiny_file_loads_in_the_engine_with_finite_logits(tiny_gguf: str) -> Non
         assert len(step) >= 5 and all(math.isfinite(lp.logprob) for lp in step.values())
 
 
+def test_scale_engine_sets_the_kv_pool_apart_from_the_memory_it_reports(
+    tiny_gguf: str, tmp_path: Path
+) -> None:
+    import torch
+
+    from pagedllm_bench import scale_engine
+
+    out = tmp_path / "engine.json"
+    argv = ["--model", tiny_gguf, "--threads", str(torch.get_num_threads()), "--phases", "load,decode"]
+    argv += ["--decode-tokens", "4", "--prompt-tokens", "8", "--batch-sequences", "2", "--batch-prompt", "16"]
+    argv += ["--batch-output", "4", "--repeats", "1", "--output-json", str(out)]
+    assert scale_engine.main(argv) == 0
+    import json
+
+    data = json.loads(out.read_text())
+    load = data["load"]
+    assert data["config"]["num_kv_blocks"] > 0 and load["kv_pool_mib"] > 0
+    assert load["rss_kv_apart_mib"] == pytest.approx(
+        load["rss_after_first_request_mib"] - load["kv_pool_mib"]
+    )
+    assert data["decode"]["tokens_per_s"] > 0 and "prompt" not in data and "batch" not in data
+
+
 def test_make_model_publishes_into_the_cache_and_links_the_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import psutil
 
+from helpers.processes import own_descendants
 from pagedllm.entrypoints.cli import main
 
 
 def _serve_processes() -> list[psutil.Process]:
     found = []
-    for proc in psutil.Process().children(recursive=True):
+    for proc in own_descendants():
         try:
             if "serve" in proc.cmdline():
                 found.append(proc)

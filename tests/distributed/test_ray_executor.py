@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.model_factory import make_tiny_hf_model
-from helpers.processes import alive, describe, wait_gone
+from helpers.processes import alive, describe, own_descendants, wait_gone
 from pagedllm import LLM, SamplingParams
 
 try:
@@ -35,7 +35,7 @@ ENGINE_ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv
 def _rank_processes() -> list[psutil.Process]:
     """Live processes under this test process running a rank actor (Ray names them ray::RankActor)."""
     out = []
-    for child in psutil.Process().children(recursive=True):
+    for child in own_descendants():
         try:
             if "RankActor" in " ".join(child.cmdline()) and alive(child):
                 out.append(child)
@@ -47,20 +47,20 @@ def _rank_processes() -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """A local Ray instance of 2 CPUs for this module; every process it started ends with it."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in own_descendants()}
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False)
     except Exception as exc:  # noqa: BLE001 - e.g. no permission for its sockets, too little memory
-        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        started = [p for p in own_descendants() if p.pid not in before]
         if ray.is_initialized():
             ray.shutdown()
         wait_gone(started, 30.0, "processes of a Ray that failed to start")
         pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
-    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    started = [p for p in own_descendants() if p.pid not in before]
     try:
         yield
     finally:
-        started += [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        started += [p for p in own_descendants() if p.pid not in before]
         ray.shutdown()
         wait_gone(started, 30.0, "Ray processes")
 

@@ -23,7 +23,7 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.observe.stats import EngineStats
-from pagedllm.engine.proc.launch import CoreOptions, LocalCores, free_port_range, start_local_cores
+from pagedllm.engine.proc.launch import CoreOptions, LocalCores, start_local_cores
 from pagedllm.engine.proc.protocol import (
     AbortRequests,
     AddRequest,
@@ -37,6 +37,7 @@ from pagedllm.engine.proc.protocol import (
 )
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.utils import free_port_range
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

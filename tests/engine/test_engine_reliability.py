@@ -257,3 +257,24 @@ def test_a_slow_grammar_compiles_off_the_engine_thread(default_llm: Any) -> None
     finally:
         engine.shutdown()
     default_llm.llm_engine.check_idle()
+
+
+def test_an_idle_engine_gives_freed_memory_back_once_per_idle_period(
+    default_llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = default_llm.llm_engine
+    calls: list[bool] = []
+    release = engine.executor.release_idle_memory
+    monkeypatch.setattr(
+        engine.executor,
+        "release_idle_memory",
+        lambda: calls.append(engine.has_unfinished_requests()) or release(),
+    )
+    params = SamplingParams(temperature=0, max_tokens=4)
+    default_llm.generate(["Hello", "The sky is"], params, use_tqdm=False)
+    assert calls == [False]  # once, after the last request finished (not after every step)
+    for _ in range(3):
+        engine.step()  # idle steps release nothing more
+    assert calls == [False]
+    default_llm.generate(["Again"], params, use_tqdm=False)
+    assert calls == [False, False]

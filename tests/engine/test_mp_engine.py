@@ -18,6 +18,7 @@ import msgspec
 import psutil
 import pytest
 
+from helpers.processes import own_descendants
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.delta_outputs import OutputAccumulator
 from pagedllm.engine.errors import EngineDeadError
@@ -42,7 +43,7 @@ PROMPTS = [
 def core_processes() -> list[psutil.Process]:
     """Engine-core processes started by this test process (alive ones)."""
     out = []
-    for child in psutil.Process().children(recursive=True):
+    for child in own_descendants():
         try:
             if (
                 "pagedllm.engine.proc.core_process" in " ".join(child.cmdline())

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from helpers.processes import SESSION_PIDS
 from helpers.server import TOOL_SERVER_ARGS, RemoteServer
 
 
@@ -14,5 +15,9 @@ def tool_server() -> Iterator[RemoteServer]:
     """One server with the tool template and the hermes parser, for the tool-calling and Responses
     tests; every KV block is free when it stops."""
     with RemoteServer(TOOL_SERVER_ARGS) as srv:
-        yield srv
-        srv.wait_idle()
+        SESSION_PIDS.add(srv.pid)
+        try:
+            yield srv
+            srv.wait_idle()
+        finally:
+            SESSION_PIDS.discard(srv.pid)

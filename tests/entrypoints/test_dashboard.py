@@ -32,7 +32,9 @@ BLOCK = 16
 
 def idle_app(**settings: Any) -> TestClient:
     engine = AsyncLLMEngine(IdleEngine())  # type: ignore[arg-type]
-    return TestClient(build_app(engine, ServerSettings(served_model_names=["idle"], api_key=KEY, **settings)))
+    return TestClient(
+        build_app(engine, ServerSettings(served_model_names=["idle"], api_keys=(KEY,), **settings))
+    )
 
 
 def test_dashboard_routes_need_the_key_or_its_cookie() -> None:
@@ -137,11 +139,13 @@ def test_dashboard_in_a_browser(tmp_path: Path) -> None:
         assert page.evaluate("dashboard.kv.cells") == NUM_BLOCKS
         assert page.evaluate("document.querySelectorAll('#kv-legend .swatch').length") == 4
 
-        # A shared prefix: four full blocks computed by the first request, reused by the second.
+        # A shared prefix: four full blocks computed by the first request, reused by the second. Both
+        # run long enough for the page (polling once a second) to see them together: 14 + 9 of the
+        # 24 blocks.
         prefix = _tokens(1000, 4 * BLOCK)
-        threads = [_complete(srv, prefix + [5, 6, 7], 120, results)]
+        threads = [_complete(srv, prefix + [5, 6, 7], 150, results)]
         srv.wait_for_metrics(lambda m: m.get("pagedllm:num_requests_running", 0) >= 1, timeout=30)
-        threads.append(_complete(srv, prefix + [8, 9], 100, results))
+        threads.append(_complete(srv, prefix + [8, 9], 130, results))
         assert _wait(page, "dashboard.kv.maxRef >= 2 && dashboard.kv.maxRef") == 2
         assert page.evaluate("dashboard.kv.shared") >= 4
 

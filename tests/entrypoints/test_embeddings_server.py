@@ -85,6 +85,17 @@ def test_base64_and_token_ids_agree_with_floats(server: RemoteServer, client: op
     assert np.abs(single[0] - floats[1]).max() < 1e-6
 
 
+def test_truncate_prompt_tokens_embeds_the_last_tokens(server: RemoteServer, client: openai.OpenAI) -> None:
+    ids = client.embeddings.create(model=MODEL, input=TEXTS[0])  # (the tokenizer: via /tokenize)
+    tokens = server.post("/tokenize", json={"prompt": TEXTS[0]}).json()["tokens"]
+    cut = client.embeddings.create(model=MODEL, input=TEXTS[0], extra_body={"truncate_prompt_tokens": 4})
+    alone = client.embeddings.create(model=MODEL, input=[tokens[-4:]])
+    assert cut.usage.prompt_tokens == 4 and ids.usage.prompt_tokens == len(tokens) > 4
+    assert np.allclose(_vectors(cut), _vectors(alone), atol=1e-6)
+    r = server.post("/v1/embeddings", json={"input": "x", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [
@@ -96,7 +107,8 @@ def test_base64_and_token_ids_agree_with_floats(server: RemoteServer, client: op
         ({"input": [[]]}, "input", "empty"),
         ({"input": "word " * 300}, "input", "maximum context length is 256"),
         ({"input": [1, 2, 30522]}, "input", "out-of-vocab token id 30522"),
-        ({"input": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens", "does not implement"),
+        ({"input": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens", "greater than the model"),
+        ({"input": "x", "normalize": False}, "normalize", "does not implement"),
         ({"input": "x", "encoding_format": "hex"}, "encoding_format", ""),
     ],
 )
@@ -132,14 +144,18 @@ def test_embed_server_refuses_generation(server: RemoteServer) -> None:
 
 
 def test_generate_server_refuses_embeddings() -> None:
-    with RemoteServer(SMALL_ENGINE_ARGS) as srv:
+    # Several served names (vLLM's flag): all listed, any of them accepted, the first one reported.
+    with RemoteServer([*SMALL_ENGINE_ARGS, "--served-model-name", "alpha", "beta"]) as srv:
         client = srv.client(timeout=60.0)
+        assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
         with pytest.raises(openai.BadRequestError) as info:
-            client.embeddings.create(model=srv.client().models.list().data[0].id, input="Hello")
+            client.embeddings.create(model="alpha", input="Hello")
         assert "runs task 'generate'" in str(info.value) and "--task embed" in str(info.value)
         # The server still generates, and holds no KV block afterwards.
-        done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
-        assert done.choices[0].text is not None
+        done = client.completions.create(model="beta", prompt="Hi", max_tokens=2)
+        assert done.choices[0].text is not None and done.model == "alpha"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
         srv.wait_idle()
 
 
@@ -232,8 +248,16 @@ def test_too_many_inputs_is_a_400_naming_input(server: RemoteServer) -> None:
 def test_fair_share_and_default_bound_without_core_processes() -> None:
     """The same with the engine on a thread of the server (``--no-multiprocess``) and the default
     bound of 2048 inputs (OpenAI's)."""
-    with RemoteServer([*SERVER_ARGS, "--no-multiprocess"], startup_timeout=180) as srv:
+    # No --served-model-name: the server answers to the model as it was named on the command line.
+    args = [MINILM_NAMES[0], "--task", "embed", "--max-num-seqs", "8", "--no-multiprocess"]
+    with RemoteServer(args, startup_timeout=180) as srv:
         process = psutil.Process(srv.pid)
+        client = srv.client(timeout=60.0)
+        assert [m.id for m in client.models.list().data] == [MINILM_NAMES[0]]
+        response = client.embeddings.create(model=MINILM_NAMES[0], input="Hello")
+        assert response.model == MINILM_NAMES[0] and len(response.data[0].embedding) == 384
+        with pytest.raises(openai.NotFoundError):
+            client.embeddings.create(model=MINILM_NAMES[1], input="Hello")
         _check_fair_share(srv)
         r = srv.post("/v1/embeddings", json={"input": ["word"] * 2049})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text

@@ -17,7 +17,7 @@ from helpers.model_factory import make_tiny_hf_model
 from helpers.server import RemoteServer
 from pagedllm import SamplingParams
 from pagedllm.model.generation_config import load_generation_defaults, read_gguf_metadata
-from pagedllm.model.gguf_loader import open_gguf, read_metadata
+from pagedllm.model.gguf_reader import open_gguf, read_metadata
 from pagedllm.model.loader import default_model_path
 
 # temperature 0: outputs with the defaults are greedy, which a random-weight model shows plainly.
@@ -148,14 +148,16 @@ def test_gguf_sampling_metadata(tmp_path: Path, endian: gguf.GGUFEndian) -> None
 
 def test_gguf_scan_reads_what_the_gguf_reader_reads() -> None:
     """Every metadata value of the default model, as ``GGUFReader`` decodes it (the vocabulary and
-    merges included); the default model has no sampling defaults."""
+    merges included); the default model's file has no sampling defaults, so its model card's apply."""
     path = default_model_path()
     scanned = read_gguf_metadata(path, lambda key: True)
     reader = open_gguf(path)
     keys = [k for k in reader.fields if not k.startswith("GGUF.")]
     assert sorted(scanned) == sorted(keys)
     assert all(scanned[k] == read_metadata(reader, k) for k in keys)
-    assert load_generation_defaults("auto", None).values == {}
+    assert not any(k.startswith("general.sampling.") for k in scanned)
+    assert load_generation_defaults("auto", None).values == {"temperature": 0.2, "top_p": 0.9}
+    assert load_generation_defaults("vllm", None).values == {}
 
 
 # -- the server ------------------------------------------------------------------------------------

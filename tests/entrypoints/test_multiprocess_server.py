@@ -224,6 +224,72 @@ def two_frontends() -> Iterator[RemoteServer]:
         yield srv
 
 
+def _connections_by_frontend(srv: RemoteServer, count: int) -> dict[int, httpx.Client]:
+    """One kept-alive client connection held by each of ``count`` front-ends: new connections are
+    opened until every front-end has accepted one (which process accepts is the kernel's choice)."""
+    me = psutil.Process()
+    frontends = _frontends(srv.pid)
+
+    def local_ports() -> set[int]:
+        return {c.laddr.port for c in me.net_connections("tcp") if c.raddr and c.raddr.port == srv.port}
+
+    held: dict[int, httpx.Client] = {}
+    spare: list[httpx.Client] = []
+    try:
+        for _ in range(60):
+            before = local_ports()
+            client = httpx.Client(base_url=srv.base_url, headers=srv.headers(), timeout=120.0)
+            assert client.get("/health").status_code == 200
+            (port,) = local_ports() - before
+            owner = next(
+                p.pid
+                for p in frontends
+                if any(c.raddr and c.raddr.port == port for c in p.net_connections("tcp"))
+            )
+            if owner in held:
+                spare.append(client)
+                continue
+            held[owner] = client
+            if len(held) == count:
+                return held
+        raise AssertionError(f"60 connections all went to the front-ends {list(held)}")
+    finally:
+        for client in spare:
+            client.close()
+
+
+def test_a_response_stored_through_one_front_end_is_found_through_the_other(
+    two_frontends: RemoteServer,
+) -> None:
+    srv = two_frontends
+    first, second = _connections_by_frontend(srv, 2).values()
+    try:
+        body = {"input": "What is the capital of France?", "max_output_tokens": 12, "temperature": 0}
+        created = first.post("/v1/responses", json=body).json()
+        assert second.get(f"/v1/responses/{created['id']}").json() == created
+        follow = {"input": "And of Italy?", "previous_response_id": created["id"], "max_output_tokens": 12}
+        continued = second.post("/v1/responses", json={**follow, "temperature": 0}).json()
+        assert continued["previous_response_id"] == created["id"], continued
+        items = first.get(f"/v1/responses/{continued['id']}/input_items?order=asc").json()["data"]
+        assert [item["role"] for item in items] == ["user", "assistant", "user"]
+        # A background response started through one front-end, cancelled through the other: the
+        # front-end running it sees the cancel in the store and stops it.
+        counting = {"input": "Count from 1 to 1000, separated by commas.", "max_output_tokens": 900}
+        generated = srv.wait_idle()["pagedllm:generation_tokens_total"]
+        running = first.post("/v1/responses", json={**counting, "background": True}).json()
+        deadline = time.monotonic() + 60
+        while second.get(f"/v1/responses/{running['id']}").json()["status"] == "queued":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert second.post(f"/v1/responses/{running['id']}/cancel").json()["status"] == "cancelled"
+        assert srv.wait_idle(timeout=30)["pagedllm:generation_tokens_total"] - generated < 900
+        assert first.delete(f"/v1/responses/{created['id']}").json()["deleted"] is True
+        assert second.get(f"/v1/responses/{created['id']}").status_code == 404
+    finally:
+        first.close()
+        second.close()
+
+
 def test_two_front_ends_serve_greedy_outputs_and_stop_together(
     two_frontends: RemoteServer, reference: dict[str, tuple[str, list[str]]]
 ) -> None:
@@ -605,3 +671,42 @@ def test_sigterm_lets_the_stream_finish_then_exits_0() -> None:
         stream.assert_completed(64)
         assert srv.wait(STOP_WITHIN_S) == 0, srv.log_tail()
         wait_gone(tree)
+
+
+@pytest.mark.parametrize("api_server_count", [1, 2])
+def test_sigterm_during_start_up_exits_0_and_leaves_nothing(api_server_count: int) -> None:
+    """A server told to stop while it starts stops as asked: exit status 0, every process gone.
+    The signal comes as soon as the front-end processes exist (two front-ends: they are still
+    importing) or the core does (one front-end: the launcher is importing or waiting for it)."""
+
+    def started(pid: int) -> bool:
+        with contextlib.suppress(psutil.Error):
+            if api_server_count > 1:
+                return len(_frontends(pid)) == api_server_count
+            return bool(_cores(pid))
+        return False
+
+    args = ["--port", str(free_port()), *SMALL_ENGINE_ARGS, "--api-server-count", str(api_server_count)]
+    cmd = [sys.executable, "-m", "pagedllm", "serve", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        tree: list[psutil.Process] = []
+        code: int | None = None
+        try:
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and not started(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if proc.poll() is None:
+                tree = _tree(proc.pid)
+                proc.send_signal(signal.SIGTERM)
+                code = proc.wait(STOP_WITHIN_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    assert tree, f"the server's processes did not start: {output[-4000:]}"
+    assert code == 0, output[-4000:]
+    wait_gone(tree)

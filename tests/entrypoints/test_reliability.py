@@ -444,7 +444,7 @@ def test_metrics_without_auth_and_disabled_docs() -> None:
     assert settings.metrics_without_auth and settings.disable_fastapi_docs
     assert not settings.trust_request_chat_template
     defaults = settings_from_args(parser.parse_args([]), "idle", 20)
-    assert not (defaults.api_key or defaults.metrics_without_auth or defaults.disable_fastapi_docs)
+    assert not (defaults.api_keys or defaults.metrics_without_auth or defaults.disable_fastapi_docs)
     limits = defaults.limits
     assert (limits.max_stop_strings, limits.max_stop_string_chars, limits.max_logit_bias) == (64, 1024, 1024)
 
@@ -452,7 +452,7 @@ def test_metrics_without_auth_and_disabled_docs() -> None:
     for docs_off in (False, True):
         settings = ServerSettings(
             served_model_names=["idle"],
-            api_key=API_KEY,
+            api_keys=(API_KEY,),
             metrics_without_auth=True,
             disable_fastapi_docs=docs_off,
         )

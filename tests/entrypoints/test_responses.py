@@ -140,7 +140,7 @@ def test_plain_text_is_the_chat_completions_text(client: openai.OpenAI, model: s
     chat = _chat_text(client, model, [{"role": "user", "content": QUESTION}], max_completion_tokens=24)
     assert response.output_text == chat.message.content and response.output_text
     assert response.object == "response" and response.id.startswith("resp_")
-    assert response.model == model and response.store is False and response.previous_response_id is None
+    assert response.model == model and response.store is True and response.previous_response_id is None
     assert response.max_output_tokens == 24 and response.temperature == 0.0
     assert response.tools == [] and response.tool_choice == "auto" and response.text.format.type == "text"
     [message] = response.output
@@ -394,16 +394,38 @@ def _call(call_id: str = "call_1", arguments: str = '{"city": "Rome"}') -> dict[
     return {"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": arguments}
 
 
+def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(
+    client: openai.OpenAI, model: str
+) -> None:
+    """Five ~300-token turns do not fit the 1,024-token context: refused as they are; with
+    ``truncation: "auto"`` the oldest are left out (the instructions stay) and the reply comes."""
+    turns: list[Any] = []
+    for i in range(5):
+        turns.append(_user(f"Note {i}: " + "alpha beta gamma delta " * 75))
+        turns.append({"role": "assistant", "content": f"Noted {i}."})
+    turns.append(_user("Say OK."))
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "instructions": "You are terse.",
+        "input": turns,
+        "max_output_tokens": 16,
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**kwargs)
+    assert info.value.body["param"] == "input"  # type: ignore[index]
+    response = client.responses.create(**kwargs, truncation="auto")
+    assert response.status in ("completed", "incomplete") and response.truncation == "auto"
+    assert response.usage is not None and 16 < response.usage.input_tokens <= 1024 - 16
+    assert response.instructions == "You are terse."
+
+
 REFUSALS: list[Any] = [
-    pytest.param({"previous_response_id": "resp_1"}, "previous_response_id", id="previous_response_id"),
-    pytest.param({"store": True}, "store", id="store"),
-    pytest.param({"background": True}, "background", id="background"),
+    pytest.param({"background": True, "store": False}, "background", id="background-unstored"),
     pytest.param({"conversation": "conv_1"}, "conversation", id="conversation"),
     pytest.param({"include": ["reasoning.encrypted_content"]}, "include", id="include"),
     pytest.param({"reasoning": {"effort": "high"}}, "reasoning.effort", id="reasoning-effort"),
     pytest.param({"reasoning": {"summary": "auto"}}, "reasoning.summary", id="reasoning-summary"),
     pytest.param({"text": {"verbosity": "low"}}, "text.verbosity", id="text-verbosity"),
-    pytest.param({"truncation": "auto"}, "truncation", id="truncation-auto"),
     pytest.param({"max_tool_calls": 2}, "max_tool_calls", id="max_tool_calls"),
     pytest.param({"service_tier": "flex"}, "service_tier", id="service_tier"),
     pytest.param({"prompt": {"id": "p"}, "top_logprobs": 2}, "prompt", id="prompt-template"),
@@ -508,11 +530,13 @@ def test_unknown_model_is_a_404_and_refusals_reach_no_engine(
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model="gpt-4o", input="Hi")
     assert info.value.body["param"] == "model"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as bad:
+    with pytest.raises(openai.NotFoundError) as missing:
         client.responses.create(model="x", input="Hi", previous_response_id="resp_1")
-    assert "not kept" in bad.value.message
-    r = httpx.post(server.url("/v1/responses"), json={"input": "Hi", "store": True}, timeout=30)
-    assert r.status_code == 400 and "store false" in r.json()["error"]["message"]
+    assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    r = httpx.post(
+        server.url("/v1/responses"), json={"input": "Hi", "background": True, "stream": True}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
     after = server.wait_idle()
     assert after["pagedllm:prompt_tokens_total"] == before["pagedllm:prompt_tokens_total"]
 

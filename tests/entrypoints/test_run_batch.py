@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
+from helpers.processes import own_descendants
 from helpers.server import REPO_ROOT, SMALL_ENGINE_ARGS
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.run_batch import BatchRequest, LineError, parse_lines
@@ -22,6 +22,12 @@ MAX_TOKENS = 8
 COMPLETION_PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a color."}]
 CHAT_2 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_color", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 def line(custom_id: Any, url: str, body: Any, method: str = "POST") -> str:
@@ -49,11 +55,21 @@ BATCH: list[tuple[str, tuple[Any, ...]]] = [
         line("stream", "/v1/completions", completion("Hi", stream=True)),
         ("error", "stream", "stream_not_supported"),
     ),
-    (line("url", "/v1/responses", completion("Hi")), ("error", "url", "invalid_url")),
+    (line("url", "/v1/files", completion("Hi")), ("error", "url", "invalid_url")),
     (line("get", "/v1/completions", completion("Hi"), method="GET"), ("error", "get", "invalid_method")),
     (line("chat-2", "/v1/chat/completions", chat(CHAT_2)), ("ok", "chat-2")),
     # Answered by the server's embeddings route, whatever it says for a generating model.
     (line("embed", "/v1/embeddings", {"input": "Hello"}), ("handler", "embed")),
+    (
+        line(
+            "resp",
+            "/v1/responses",
+            {"input": CHAT[0]["content"], "max_output_tokens": MAX_TOKENS, "temperature": 0},
+        ),
+        ("ok", "resp"),
+    ),
+    # tool_choice "auto" needs the server's tool flags, which run-batch takes too.
+    (line("tools", "/v1/chat/completions", chat(CHAT, tools=[TOOL], tool_choice="auto")), ("ok", "tools")),
 ]
 
 
@@ -69,10 +85,11 @@ def test_round_trip_with_bad_lines(tmp_path: Path, default_llm: Any) -> None:
     src = tmp_path / "requests.jsonl"
     dst = tmp_path / "results.jsonl"
     src.write_text("\n".join(text for text, _ in BATCH) + "\n")
-    proc = run_cli(["-i", str(src), "-o", str(dst), *SMALL_ENGINE_ARGS])
+    tool_flags = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    proc = run_cli(["-i", str(src), "-o", str(dst), *SMALL_ENGINE_ARGS, *tool_flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The process is gone and left no child behind.
-    assert not [p for p in psutil.Process().children(recursive=True) if "run-batch" in " ".join(p.cmdline())]
+    assert not [p for p in own_descendants() if "run-batch" in " ".join(p.cmdline())]
     assert "KV cache: 256 of 256 blocks free" in proc.stderr  # SMALL_ENGINE_ARGS: 256 blocks
 
     results = [json.loads(text) for text in dst.read_text().splitlines()]
@@ -98,7 +115,8 @@ def test_round_trip_with_bad_lines(tmp_path: Path, default_llm: Any) -> None:
             assert response["body"]["error"]["param"] == "temperature"
         else:
             assert response["status_code"] == 200, response
-            assert response["request_id"] == response["body"]["id"]
+            if custom_id != "resp":  # (a response's id is its own resp_ id)
+                assert response["request_id"] == response["body"]["id"]
     by_id = {r["custom_id"]: r for r in results if r["error"] is None}
     assert "line 3 is not valid JSON" in results[2]["error"]["message"]
 
@@ -110,6 +128,9 @@ def test_round_trip_with_bad_lines(tmp_path: Path, default_llm: Any) -> None:
     assert by_id["chat"]["response"]["body"]["choices"][0]["message"]["content"] == want_chats[0]
     assert by_id["chat-2"]["response"]["body"]["choices"][0]["message"]["content"] == want_chats[1]
     assert by_id["cmpl"]["response"]["body"]["usage"]["completion_tokens"] == MAX_TOKENS
+    # A Responses line is answered as the same chat request.
+    resp = by_id["resp"]["response"]["body"]
+    assert resp["object"] == "response" and resp["output"][-1]["content"][0]["text"] == want_chats[0]
     default_llm.llm_engine.check_idle()
 
 

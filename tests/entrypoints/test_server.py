@@ -52,8 +52,61 @@ def test_models_health_version(server: RemoteServer, client: openai.OpenAI) -> N
     assert [m.id for m in models] == [MODEL]
     raw = server.get("/v1/models").json()
     assert raw["data"][0]["max_model_len"] == 1024
+    # The default model's recommended sampling (its model card's), which requests leaving them out get.
+    assert raw["data"][0]["generation_config"] == {"temperature": 0.2, "top_p": 0.9}
     assert server.get("/health").status_code == 200
     assert server.get("/version").json()["version"]
+
+
+def test_openai_shape_details(server: RemoteServer, client: openai.OpenAI) -> None:
+    """``system_fingerprint`` on replies and on every stream chunk; a reply without calls has no
+    ``tool_calls`` key (OpenAI leaves it out rather than sending [])."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    raw = server.post("/v1/chat/completions", json=chat).json()
+    assert raw["system_fingerprint"].startswith("fp_pagedllm_")
+    assert "tool_calls" not in raw["choices"][0]["message"], raw
+    completion = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert completion.system_fingerprint == raw["system_fingerprint"]
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    assert chunks and all(c.system_fingerprint == raw["system_fingerprint"] for c in chunks)
+    pieces = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True))
+    assert pieces and all(c.system_fingerprint == raw["system_fingerprint"] for c in pieces)
+    response = server.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    ).json()
+    assert isinstance(response["created_at"], int), response
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server: RemoteServer, client: openai.OpenAI) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens (-1: the context length of 1024),
+    at the limits; a truncated prompt generates what its last N tokens sent alone generate."""
+    ids = [(i * 7919) % 20000 + 100 for i in range(1500)]
+    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+
+    def complete(prompt: Any, **extra: Any) -> Any:
+        return client.completions.create(prompt=prompt, **greedy, extra_body=extra)
+
+    cut = complete(ids, truncate_prompt_tokens=1000)
+    alone = complete(ids[-1000:])
+    assert cut.usage.prompt_tokens == 1000 and cut.choices[0].text == alone.choices[0].text
+    assert complete(ids, truncate_prompt_tokens=1).usage.prompt_tokens == 1
+    assert complete(ids[:10], truncate_prompt_tokens=1021).usage.prompt_tokens == 10  # nothing to cut
+    # -1: the context length, 1024 tokens: no room left for an output token.
+    too_long = server.post(
+        "/v1/completions", json={"prompt": ids, **greedy, "truncate_prompt_tokens": -1, "max_tokens": 1}
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt", too_long.text
+    assert complete(ids, truncate_prompt_tokens=1021).usage.prompt_tokens == 1021
+    for bad in (0, -2, 1025, "5"):
+        r = server.post("/v1/completions", json={"prompt": ids, **greedy, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (bad, r.text)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello there, how are you?"}],
+        **greedy,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert chat.usage.prompt_tokens == 5
+    server.wait_idle()
 
 
 def test_completion_usage_and_tokenizer_count(server: RemoteServer, client: openai.OpenAI) -> None:

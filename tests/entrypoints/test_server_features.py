@@ -198,6 +198,52 @@ def test_chat_logprobs_and_prompt_logprobs(client: openai.OpenAI) -> None:
         assert all(v["logprob"] <= 0.0 and "decoded_token" in v for v in position.values())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_bytes_are_the_tokens_own(client: openai.OpenAI, stream: bool) -> None:
+    """Emoji split across tokens: each entry's ``bytes`` are its token's (not U+FFFD's), so they add
+    up to the reply's UTF-8; a token that is part of a character shows ``\\xNN`` escapes; the same in
+    a stream."""
+    choices = ["\U0001f4a1 idea", "\U0001f389 party"]
+    kwargs: dict[str, Any] = {
+        "logprobs": True,
+        "top_logprobs": 2,
+        "extra_body": {"structured_outputs": {"choice": choices}},
+    }
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Pick one."}],
+                temperature=0,
+                max_tokens=16,
+                stream=True,
+                **kwargs,
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        entries = [
+            e
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content or []
+        ]
+    else:
+        resp = _chat(client, "Pick one.", max_tokens=16, **kwargs)
+        text = resp.choices[0].message.content or ""
+        assert resp.choices[0].logprobs is not None
+        entries = list(resp.choices[0].logprobs.content or [])
+    assert text in choices
+    if entries and entries[-1].token == "<|im_end|>":  # the end-of-turn token ends the reply
+        entries.pop()
+    assert b"".join(bytes(e.bytes or []) for e in entries) == text.encode("utf-8")
+    partial = [e for e in entries if e.token.startswith("\\x")]
+    assert partial, [e.token for e in entries]
+    assert all(e.bytes != [239, 191, 189] for e in entries)
+    for e in entries:
+        for top in e.top_logprobs:
+            assert top.bytes is not None and "\ufffd" not in top.token
+
+
 def test_completion_echo_logprobs_fill_prompt(client: openai.OpenAI) -> None:
     prompt = "Hello there, my friend"
     resp = client.completions.create(

@@ -274,20 +274,41 @@ def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI) -> None
         _validate(_calls(reply.message))
 
 
-def test_reply_cut_short_comes_back_as_content(client: openai.OpenAI) -> None:
-    kwargs = {
-        "model": _model(client),
-        "messages": [{"role": "user", "content": "Weather in Paris?"}],
-        "tools": TOOLS,
-        "tool_choice": "required",
-        "max_tokens": 4,
-    }
-    reply = client.chat.completions.create(**kwargs).choices[0]
-    assert reply.finish_reason == "length"
-    assert reply.message.tool_calls in (None, [])
-    assert reply.message.content and reply.message.content.lstrip().startswith("[")
-    content, calls, finish = _stream(client, **kwargs)
-    assert (content, calls, finish) == (reply.message.content, [], "length")
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_reply_cut_short_keeps_its_complete_calls_streamed_or_not(client: openai.OpenAI, choice: str) -> None:
+    """A reply cut by max_tokens: the calls completed before the cut come back as tool_calls, the cut
+    one is dropped (never leaked as content), finish_reason is "length", and the stream says the same."""
+    tool_choice: Any = (
+        "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    )
+    messages = [{"role": "user", "content": "Weather in Paris and in Rome?"}]
+    seen_calls = 0
+    for max_tokens in (4, 12, 22, 30, 45):
+        kwargs = {
+            "model": _model(client),
+            "messages": messages,
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "max_tokens": max_tokens,
+            "seed": 7,
+            "temperature": 1.0,
+        }
+        reply = client.chat.completions.create(**kwargs).choices[0]
+        calls = _calls(reply.message)
+        content, streamed, finish = _stream(client, **kwargs)
+        if reply.finish_reason == "length":
+            assert reply.message.content is None, (max_tokens, reply.message.content)
+        else:
+            assert reply.finish_reason == "tool_calls" and calls
+        if calls:
+            _validate(calls)
+        seen_calls += bool(calls) and reply.finish_reason == "length"
+        assert (content, [(c["name"], json.loads(c["arguments"])) for c in streamed], finish) == (
+            reply.message.content,
+            calls,
+            reply.finish_reason,
+        ), max_tokens
+    assert seen_calls or choice == "named", "no reply was cut after a complete call"
 
 
 def test_history_with_calls_and_tool_results_is_rendered(client: openai.OpenAI, server: RemoteServer) -> None:

@@ -33,11 +33,13 @@ def calls(result: ExtractedToolCalls) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in result.tool_calls]
 
 
-def stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[DeltaMessage]]:
+def stream(
+    name: str, pieces: list[str], truncated: bool = False
+) -> tuple[str, list[tuple[str, str]], list[DeltaMessage]]:
     """Feeds ``pieces``; checks the delta protocol; returns content, ``(name, arguments)`` per call and
     the messages."""
     p = parser(name)
-    messages = [p.feed(piece) for piece in pieces] + [p.finish()]
+    messages = [p.feed(piece) for piece in pieces] + [p.finish(truncated)]
     content = "".join(m.content or "" for m in messages)
     names: list[str] = []
     ids: list[str] = []
@@ -177,28 +179,62 @@ def test_streaming_random_splits(case: tuple[str, str, str | None, list], cuts: 
     assert streamed_calls == [(c.function.name, c.function.arguments) for c in result.tool_calls]
 
 
-def test_streaming_sends_content_early_and_the_name_before_the_arguments() -> None:
+def test_streaming_sends_content_early_and_a_call_once_it_is_complete() -> None:
     p = parser("hermes")
     assert p.feed("Hello <tool").content == "Hello "  # "<tool" may start a marker: held back
     assert p.feed("ing> there").content == "<tooling> there"
     assert p.feed(" <tool_call>").content == " "
-    first = p.feed('{"name": "get_weather", "argu')
-    assert [(d.index, d.id, d.name, d.arguments) for d in first.tool_calls] == [
-        (0, "id0", "get_weather", None)
-    ]
+    # The name is known here, but the call may still be cut or malformed: nothing is sent yet.
+    assert p.feed('{"name": "get_weather", "argu').tool_calls == []
     assert p.feed('ments": {"city": "Paris"}}').tool_calls == []
     last = p.feed("</tool_call>")
     assert [(d.index, d.id, d.name, d.arguments) for d in last.tool_calls] == [
-        (0, None, None, '{"city": "Paris"}')
+        (0, "id0", "get_weather", None),
+        (0, None, None, '{"city": "Paris"}'),
     ]
     assert p.finish() == DeltaMessage()
 
 
-def test_pythonic_name_is_streamed_at_the_parenthesis() -> None:
+def test_pythonic_call_is_streamed_at_its_closing_parenthesis() -> None:
     p = parser("pythonic")
     assert p.feed("[get_wea").tool_calls == []
-    assert [d.name for d in p.feed('ther(city="P').tool_calls] == ["get_weather"]
-    assert p.feed('aris")]').tool_calls[0].arguments == '{"city": "Paris"}'
+    assert p.feed('ther(city="P').tool_calls == []
+    pieces = p.feed('aris")]').tool_calls
+    assert [(d.name, d.arguments) for d in pieces] == [("get_weather", None), (None, '{"city": "Paris"}')]
+
+
+# Each format's second valid case cut inside its second call (as max_tokens cuts a reply): the first
+# call is kept, the cut one dropped, and nothing of it comes back as content.
+CUT = {
+    "hermes": VALID["hermes"][1],
+    "llama3_json": VALID["llama3_json"][1],
+    "mistral": VALID["mistral"][1],
+    "pythonic": VALID["pythonic"][1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT))
+def test_a_reply_cut_in_its_tool_region_keeps_its_complete_calls(name: str) -> None:
+    text, content, expected = CUT[name]
+    second = text.rindex("search")
+    for end in range(second - 2, len(text) - 3, 7):
+        cut = text[:end]
+        extracted = parser(name).extract(cut, truncated=True)
+        assert extracted.tools_called and calls(extracted) == expected[:1], cut
+        assert extracted.content == content, cut
+        for size in (1, 3, 11):
+            streamed_content, streamed, _ = stream(name, chunks(cut, size), truncated=True)
+            assert streamed_content == (content or ""), cut
+            assert [(n, json.loads(a)) for n, a in streamed] == expected[:1], cut
+        # Not cut by max_tokens, the same text is malformed: all of it is content.
+        assert parser(name).extract(cut).content == cut
+
+
+def test_a_reply_cut_before_its_first_call_completes_has_neither_calls_nor_the_fragment() -> None:
+    cut = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city'
+    extracted = parser("hermes").extract(cut, truncated=True)
+    assert not extracted.tools_called and extracted.tool_calls == [] and extracted.content == "Let me check. "
+    assert stream("hermes", chunks(cut, 5), truncated=True)[:2] == ("Let me check. ", [])
 
 
 MALFORMED: dict[str, list[str]] = {

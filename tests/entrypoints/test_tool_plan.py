@@ -128,21 +128,30 @@ def test_named_parser() -> None:
         )
     cut = '{"city": "Par'
     assert NamedToolParser("get_weather").extract(cut).content == cut
-    # The name goes out before the arguments are complete.
+    # Cut by max_tokens: no call, and the fragment is not content either.
+    truncated = NamedToolParser("get_weather").extract(cut, truncated=True)
+    assert truncated.tool_calls == [] and truncated.content is None
+    # The call goes out when its arguments are complete.
     streaming = NamedToolParser("get_weather")
-    first = streaming.feed("{")
-    assert [(p.name, p.arguments) for p in first.tool_calls] == [("get_weather", None)]
+    assert streaming.feed("{").tool_calls == []
+    assert [(p.name, p.arguments) for p in streaming.feed('"city": "Paris"}').tool_calls] == [
+        ("get_weather", None),
+        (None, text),
+    ]
 
 
 def test_offline_chat_renders_tools(default_llm: Any, tool_llm: Any) -> None:
     from pagedllm import SamplingParams
     from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 
-    with pytest.raises(ValueError, match="tools: the chat template does not render tools"):
-        default_llm.chat([{"role": "user", "content": "Hi"}], tools=[WEATHER])
     llm = tool_llm
     prompt = llm.llm_engine.apply_chat_template([{"role": "user", "content": "Hi"}], tools=[WEATHER])
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt
+    # The default model renders tools with the shipped template, as the engine given that template.
+    assert (
+        default_llm.llm_engine.apply_chat_template([{"role": "user", "content": "Hi"}], tools=[WEATHER])
+        == prompt
+    )
     few_shot = [
         {"role": "user", "content": "What's the weather in Rome?"},
         {

@@ -1,4 +1,5 @@
-"""Checks on the processes a test started: alive (zombies count as gone), described, all gone."""
+"""Checks on the processes a test started: alive (zombies count as gone), described, all gone, and
+this test process's own descendants apart from the servers that session-scoped fixtures keep."""
 
 from __future__ import annotations
 
@@ -35,3 +36,28 @@ def wait_gone(procs: list[psutil.Process], timeout: float = 10.0, what: str = "l
         time.sleep(0.1)
     left = [p for p in procs if alive(p)]
     assert not left, f"{what}: {describe(left)}"
+
+
+# Processes that session-scoped fixtures keep for the whole run (a test server shared by many test
+# files): they and their descendants belong to no one test, so checks of "what this test started" or
+# "nothing left behind" leave them out. A fixture adds its process when it starts and removes it when
+# it stops.
+SESSION_PIDS: set[int] = set()
+
+
+def session_trees() -> set[int]:
+    """The pids of the session-scoped fixtures' processes and of all their descendants."""
+    pids = set()
+    for pid in SESSION_PIDS:
+        try:
+            root = psutil.Process(pid)
+            pids |= {pid, *(p.pid for p in root.children(recursive=True))}
+        except psutil.Error:
+            continue
+    return pids
+
+
+def own_descendants() -> list[psutil.Process]:
+    """This process's descendants, less the session-scoped fixtures' process trees."""
+    kept = session_trees()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in kept]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,21 +15,17 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedllm.utils import free_port_range
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # A small engine: short context and KV cache keep start-up and memory low on CPU.
 SMALL_ENGINE_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
 # The shipped Hermes-style tool template for SmolLM2 (its own template has no tool section).
-TOOL_TEMPLATE = REPO_ROOT / "examples" / "chat_templates" / "smollm2_hermes_tools.jinja"
-# A server that calls tools: the template, and the parser for tool_choice "auto".
-TOOL_SERVER_ARGS = [
-    *SMALL_ENGINE_ARGS,
-    "--chat-template",
-    str(TOOL_TEMPLATE),
-    "--tool-call-parser",
-    "hermes",
-    "--enable-auto-tool-choice",
-]
+TOOL_TEMPLATE = REPO_ROOT / "pagedllm" / "model" / "chat_templates" / "smollm2_hermes_tools.jinja"
+# A server that calls tools: the parser for tool_choice "auto" and nothing else (the default model's
+# requests with tools are rendered with the shipped template).
+TOOL_SERVER_ARGS = [*SMALL_ENGINE_ARGS, "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 
 
 def assert_serve_flags(flags: list[str], problem: str | None) -> None:
@@ -50,9 +45,8 @@ def assert_serve_flags(flags: list[str], problem: str | None) -> None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free local port outside the ephemeral range (see ``free_port_range``)."""
+    return free_port_range("127.0.0.1", 1)
 
 
 class RemoteServer:

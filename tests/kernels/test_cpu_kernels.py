@@ -4,8 +4,12 @@ references."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from helpers.attention_cases import MIXED, Batch, assert_close, reference_attent
 from pagedllm.attention.cpu_backend import CPUAttentionBackend
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend, group_by_length
+from pagedllm.kernels.cpu import library
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.attention import paged_decode_attention, paged_prefill_attention
 from pagedllm.kernels.cpu.library import kernels_available, load_library
@@ -307,6 +312,34 @@ def test_native_rotary_matches_torch_in_place() -> None:
     assert torch.equal(qkv[:, 12 * 64 :], v_before), "V untouched"
 
 
+def _interleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's GGUF order of each head's dimensions: HF's (half, i) becomes (i, half)."""
+    *lead, d = x.shape
+    return x.reshape(*lead, 2, d // 2).transpose(-1, -2).reshape(*lead, d)
+
+
+@needs_kernels
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_interleaved_rotary_is_hf_rotary_in_the_gguf_order(native: bool) -> None:
+    """Rotating the pairs (2i, 2i + 1) of dimensions in llama.cpp's order equals HF's rotate-half
+    rotation of the same values in HF's order, reordered; so q . k (both reordered) is unchanged."""
+    gen = torch.Generator().manual_seed(5)
+    hf = RotaryEmbedding(64, 4096, 10000.0)
+    gguf = RotaryEmbedding(64, 4096, 10000.0, interleaved=True)
+    positions = torch.tensor([0, 3, 17, 4095, 300])
+    q, k = torch.randn(5, 9, 64, generator=gen), torch.randn(5, 3, 64, generator=gen)
+    want_q, want_k = hf.tables(positions).apply(q.clone()), hf.tables(positions).apply(k.clone())
+    tables = gguf.tables(positions)
+    if not native:
+        tables.full = tables.full_rows()  # the torch path (as on a GPU)
+    got_q = tables.apply(_interleave_rows(q).contiguous())
+    got_k = tables.apply(_interleave_rows(k).contiguous())
+    torch.testing.assert_close(got_q, _interleave_rows(want_q), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, _interleave_rows(want_k), atol=1e-5, rtol=1e-5)
+    scores = torch.einsum("thd,tgd->thg", got_q, got_k)
+    torch.testing.assert_close(scores, torch.einsum("thd,tgd->thg", want_q, want_k), atol=1e-4, rtol=1e-4)
+
+
 @needs_kernels
 def test_native_max_logsumexp_matches_torch() -> None:
     gen = torch.Generator().manual_seed(9)
@@ -351,6 +384,25 @@ def test_cpu_memory_settings() -> None:
     assert not cpu_memory.advise_huge_pages(torch.empty(8 << 20, device="meta"))
 
 
+def _anon_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("RssAnon"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc is Linux's")
+def test_freed_memory_is_kept_then_given_back_when_idle() -> None:
+    """Freed activations stay with the process (reused without page faults) until the engine goes
+    idle and trims them."""
+    assert cpu_memory.keep_freed_memory()
+    chunks = [torch.ones(16 << 20) for _ in range(8)]  # 8 x 64 MiB from the heap, touched
+    held = _anon_mib()
+    del chunks
+    kept = _anon_mib()
+    assert kept > held - 128, (held, kept)  # most of the 512 MiB is still resident
+    assert cpu_memory.trim_freed_memory()
+    assert _anon_mib() < kept - 384, (kept, _anon_mib())
+
+
 @pytest.mark.parametrize("vocab", [49152, 1000, 33])
 def test_token_bitmask_matches_xgrammar(vocab: int) -> None:
     import xgrammar as xgr
@@ -375,3 +427,32 @@ def test_token_bitmask_matches_xgrammar(vocab: int) -> None:
     assert torch.equal(got, expected)
     assert torch.equal(got[4], logits[4]) and torch.equal(got[2], logits[2])
     assert torch.isinf(got[1]).all()
+
+
+@needs_kernels
+def test_concurrent_builds_compile_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes (here threads) that need the same missing library build it once: the others wait
+    for the builder's lock and then load its file."""
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setattr(library, "_SOURCES", [source])
+    commands: list[list[str]] = []
+    real_run = library._run
+
+    def slow_run(cmd: list[str]) -> None:
+        commands.append(cmd)
+        time.sleep(0.2)  # long enough for every thread to reach the lock while the first builds
+        real_run(cmd)
+
+    monkeypatch.setattr(library, "_run", slow_run)
+    target = tmp_path / "kernels" / "lib.so"
+    cc = library._compiler()
+    threads = [threading.Thread(target=library._build, args=(cc, target)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert len(commands) == 2, commands  # one compile and one link, by one of the three
+    assert ctypes.CDLL(str(target)).one() == 1
+    assert sorted(p.name for p in target.parent.iterdir()) == ["lib.lock", "lib.so"]  # no leftovers

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -297,8 +298,13 @@ def variant_libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, cty
         if missing:
             builds[name] = f"the CPU lacks {', '.join(missing)}"
             continue
-        cmd = [cc, "-O3", *extra, "-fopenmp", "-ffast-math", "-fPIC", "-std=c11", "-shared", str(SOURCE)]
-        builds[name] = subprocess.Popen([*cmd, "-o", str(tmp / f"{name}.so"), "-lm"], stderr=subprocess.PIPE)
+        obj, lib_path = tmp / f"{name}.o", tmp / f"{name}.so"
+        # Compiled with -ffast-math as the engine's own library is, but linked without it: a link with
+        # it adds crtfastmath.o, which turns subnormals off in the whole test process.
+        compile_cmd = [cc, "-O3", *extra, "-fopenmp", "-ffast-math", "-fPIC", "-std=c11", "-c", str(SOURCE)]
+        link_cmd = [cc, "-shared", "-fopenmp", str(obj), "-o", str(lib_path), "-lm"]
+        script = f"{shlex.join([*compile_cmd, '-o', str(obj)])} && {shlex.join(link_cmd)}"
+        builds[name] = subprocess.Popen(["sh", "-c", script], stderr=subprocess.PIPE)
     libs: dict[str, ctypes.CDLL | str] = {}
     for name, build in builds.items():
         if isinstance(build, str):

@@ -17,7 +17,8 @@ from helpers.gguf_writer import add_shape_metadata
 from helpers.reference import assert_greedy_close
 from pagedllm import LLM, SamplingParams
 from pagedllm.model import packaged
-from pagedllm.model.gguf_loader import gguf_config, hf_tensor_name, open_gguf
+from pagedllm.model.gguf_loader import gguf_config, hf_tensor_name
+from pagedllm.model.gguf_reader import open_gguf
 from pagedllm.model.loader import resolve_model_path
 
 PROMPTS = [

@@ -21,7 +21,7 @@ from pagedllm.kernels.cpu.library import kernels_available
 from pagedllm.kernels.cpu.linear import PanelLinear
 from pagedllm.kernels.cpu.quant import QuantizedWeight, amx_available, dequantize
 from pagedllm.kernels.cpu.quant_linear import QuantEmbedding, QuantLinear
-from pagedllm.model.gguf_loader import load_gguf
+from pagedllm.model.gguf_loader import load_gguf, unpermute_rotary_rows
 from pagedllm.model.hf_loader import load_hf
 from pagedllm.model.loader import default_model_path
 
@@ -67,13 +67,18 @@ def test_blocks_are_kept_and_equal_the_float_load(
 ) -> None:
     path, expected = mixed_gguf
     with caplog.at_level(logging.WARNING, logger="pagedllm.model.gguf_loader"):
-        _, kept = load_gguf(path, keep_quantized=True)
+        kept_config, kept = load_gguf(path, keep_quantized=True)
     assert "Q5_1 (2 tensors)" in caplog.text  # the fallback, logged once with its types
-    _, floats = load_gguf(path)
+    float_config, floats = load_gguf(path)
+    # Blocks keep the file's q/k row order (views, no copy); the float load undoes it.
+    assert kept_config.rope_interleaved and not float_config.rope_interleaved
     for name, value in kept.items():
         if isinstance(value, QuantizedWeight):
-            # The llama row order is undone on whole rows of blocks: bitwise the float load.
-            assert torch.equal(dequantize(value), floats[name]), name
+            got = dequantize(value)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = got.shape[0] // kept_config.head_dim
+                got = torch.from_numpy(unpermute_rotary_rows(got.numpy(), heads))
+            assert torch.equal(got, floats[name]), name
         else:
             assert torch.equal(value, floats[name]), name
         assert torch.equal(floats[name], expected[name]), name

@@ -316,7 +316,14 @@ def test_run_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
         text=True,
         timeout=420,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = ""
+    if proc.returncode != 0 and out_json.exists():
+        saved = json.loads(out_json.read_text())
+        failed = json.dumps(
+            {k: v for k, v in saved.items() if isinstance(v, dict) and v.get("passed") is False},
+            default=str,
+        )[:4000]
+    assert proc.returncode == 0, failed + proc.stdout[-3000:] + proc.stderr[-3000:]
     # The summary table comes last.
     last_lines = proc.stdout.strip().splitlines()[-3:]
     assert last_lines[-1].startswith("overall"), proc.stdout[-2000:]

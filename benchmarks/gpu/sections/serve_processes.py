@@ -15,25 +15,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from typing import Any
 
+from pagedllm.utils import free_port_range
 from pagedllm_bench.workloads import BenchRequest
 
 from .common import Settings
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+LEFTOVER_TIMEOUT_S = 15.0  # how long the stopped server's processes may take to disappear
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -113,6 +108,20 @@ def _still_running(pids: list[int]) -> int:
     return alive
 
 
+def _wait_gone(pids: list[int], timeout_s: float) -> int:
+    """Poll until none of ``pids`` runs or ``timeout_s`` passes; how many still run then.
+
+    The cores exit right after the front-end's last word to them, but on a busy machine that can
+    take a moment after the launcher itself has gone.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = _still_running(pids)
+        if alive == 0 or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
 def server_command(
     model_dir: str, port: int, api_server_count: int, settings: Settings, state: Any
 ) -> list[str]:
@@ -177,8 +186,7 @@ def serve_once(
     finally:
         pids = _tree_pids(proc.pid)
         status = _stop(proc)
-        time.sleep(1.0)  # cores exit right after the front-end's last word to them
-        leftover = _still_running(pids)
+        leftover = _wait_gone(pids, LEFTOVER_TIMEOUT_S)
     with open(log_path, "rb") as f:
         log_tail = f.read()[-3000:].decode(errors="replace")
     failed = [r.error for r in results if not r.success]
@@ -215,16 +223,18 @@ def section_serve_processes(
     expected = offline["expected_output_tokens"]
     runs: dict[str, Any] = {}
     for count in api_server_counts:
-        port = _free_port()
+        port = free_port_range("127.0.0.1")
         cmd = server_command(state.model_dir, port, count, settings, state)
         run = serve_once(cmd, port, reqs, temperature, os.path.join(workdir, f"serve-{count}.log"))
         run["server_over_offline"] = run["output_tokens_per_s"] / offline["output_tokens_per_s"]
-        run["passed"] = (
-            run["failed"] == 0
-            and run["output_tokens"] == expected
-            and run["exit_status"] == 0
-            and run["processes_left_running"] == 0
-        )
+        problems = {
+            "failed requests": run["failed"] != 0,
+            f"output tokens {run['output_tokens']} != {expected}": run["output_tokens"] != expected,
+            f"exit status {run['exit_status']}": run["exit_status"] != 0,
+            f"{run['processes_left_running']} processes left running": run["processes_left_running"] != 0,
+        }
+        run["problems"] = [text for text, bad in problems.items() if bad]
+        run["passed"] = not run["problems"]
         runs[str(count)] = run
     best = max(runs.values(), key=lambda r: r["server_over_offline"])
     return {

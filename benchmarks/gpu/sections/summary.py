@@ -212,5 +212,24 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(("serve_processes", "status", status(sp)))
     rows += quantization.summary_rows(results.get("quantization"))
     rows += swap.summary_rows(results.get("swap"))
+    rows += failure_rows(results)
     rows.append(("overall", "checks", "passed" if results.get("passed") else "FAILED"))
+    return rows
+
+
+def failure_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """One row per failed or broken section, saying why as far as the section does."""
+    rows = []
+    for name, sec in results.items():
+        if not isinstance(sec, dict) or not (sec.get("passed") is False or sec.get("status") == "error"):
+            continue
+        reasons = [str(sec["error"])] if sec.get("error") else []
+        reasons += [f"case {c}" for c in sec.get("failed", []) if isinstance(c, str)]
+        for part, sub in sec.items():
+            if isinstance(sub, dict) and sub.get("passed") is False:
+                why = sub.get("error") or (f"{sub['mismatch']} mismatches" if "mismatch" in sub else "failed")
+                reasons.append(f"{part}: {why}")
+        for count, run in sec.get("runs_by_api_server_count", {}).items():
+            reasons += [f"{count} front-end(s): {p}" for p in run.get("problems", [])]
+        rows.append((name, "FAILED", "; ".join(reasons)[:300] or "see the JSON"))
     return rows

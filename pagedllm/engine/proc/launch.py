@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -33,25 +31,6 @@ class CoreOptions:
 def frontend_addresses(host: str, rpc_port: int, count: int) -> list[str]:
     """The sockets of front-ends 0..count-1: consecutive ports from ``rpc_port``."""
     return [f"tcp://{host}:{rpc_port + i}" for i in range(count)]
-
-
-def free_port_range(host: str, count: int, attempts: int = 50) -> int:
-    """A port ``p`` such that ``p .. p + count - 1`` are free on ``host`` right now."""
-    for _ in range(attempts):
-        base = random.randint(20000, 60000 - count)
-        socks = []
-        try:
-            for i in range(count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((host, base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"found no {count} consecutive free ports on {host}")
 
 
 @dataclass
@@ -117,4 +96,4 @@ def start_local_cores(config: EngineConfig, ranks: list[int], options: CoreOptio
     return cores
 
 
-__all__ = ["CoreOptions", "LocalCores", "free_port_range", "frontend_addresses", "start_local_cores"]
+__all__ = ["CoreOptions", "LocalCores", "frontend_addresses", "start_local_cores"]

@@ -32,7 +32,6 @@ from pagedllm.engine.proc.core_client import CoreClient
 from pagedllm.engine.proc.launch import (
     CoreOptions,
     LocalCores,
-    free_port_range,
     frontend_addresses,
     start_local_cores,
 )
@@ -41,6 +40,7 @@ from pagedllm.model.tokenizer import render_chat, with_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import free_port_range
 
 logger = logging.getLogger("pagedllm")
 

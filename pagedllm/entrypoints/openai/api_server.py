@@ -37,7 +37,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -84,7 +84,13 @@ from pagedllm.entrypoints.openai.protocol import (
     VersionResponse,
 )
 from pagedllm.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
-from pagedllm.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
+from pagedllm.entrypoints.openai.protocol_responses import (
+    InputItemList,
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+)
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import (
@@ -94,6 +100,7 @@ from pagedllm.entrypoints.openai.serving_embedding import (
 )
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.model.tokenizer import template_handles_tools, tools_template
 
 __all__ = [
     "API_KEY_ENV",
@@ -139,11 +146,13 @@ class Serving:
     chat: OpenAIServingChat
     tokenization: OpenAIServingTokenization
     embedding: OpenAIServingEmbedding
+    # Where responses are kept (shared by the server's front-ends).
+    response_store: ResponseStore
     # A view over ``chat``: each Responses request is answered by the chat handler.
     responses: OpenAIServingResponses = field(init=False)
 
     def __post_init__(self) -> None:
-        self.responses = OpenAIServingResponses(self.chat)
+        self.responses = OpenAIServingResponses(self.chat, self.response_store)
 
 
 def _serving(request: Request) -> Serving:
@@ -243,6 +252,38 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
     return await serving.responses.create_response(request, raw_request)
 
 
+STORED_ERRORS = {
+    404: "No stored response has this id for this API key (or the model does not exist).",
+    400: "The request is invalid (the field is named in param).",
+}
+
+
+@router.get("/v1/responses/{response_id}", responses=route_responses(ResponseObject, STORED_ERRORS))
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    serving = _generating(raw_request, "/v1/responses")
+    return await serving.responses.retrieve(response_id, raw_request)
+
+
+@router.delete("/v1/responses/{response_id}", responses=route_responses(ResponseDeleted, STORED_ERRORS))
+async def delete_response(response_id: str, raw_request: Request) -> Response:
+    serving = _generating(raw_request, "/v1/responses")
+    return await serving.responses.delete(response_id, raw_request)
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=route_responses(ResponseObject, STORED_ERRORS))
+async def cancel_response(response_id: str, raw_request: Request) -> Response:
+    serving = _generating(raw_request, "/v1/responses")
+    return await serving.responses.cancel(response_id, raw_request)
+
+
+@router.get(
+    "/v1/responses/{response_id}/input_items", responses=route_responses(InputItemList, STORED_ERRORS)
+)
+async def list_input_items(response_id: str, raw_request: Request) -> Response:
+    serving = _generating(raw_request, "/v1/responses")
+    return await serving.responses.input_items(response_id, raw_request)
+
+
 def build_app(
     engine: AsyncEngineClient,
     settings: ServerSettings,
@@ -268,8 +309,10 @@ def build_app(
         try:
             yield
         finally:
+            await app.state.serving.responses.shutdown()
             preprocessor.shutdown()
             await asyncio.to_thread(engine.shutdown)
+            app.state.serving.response_store.close()
 
     docs: dict[str, Any] = {}
     if settings.disable_fastapi_docs:
@@ -278,6 +321,7 @@ def build_app(
         title="pagedllm OpenAI-compatible server", version=server_version(), lifespan=lifespan, **docs
     )
     names = settings.served_model_names
+    _warn_if_tools_cannot_render(settings, engine.tokenizer)
     shared: dict[str, Any] = {
         "max_logprobs": settings.max_logprobs,
         "tokenizer": private_tokenizer(engine.tokenizer),
@@ -299,6 +343,7 @@ def build_app(
         ),
         tokenization=OpenAIServingTokenization(engine, names, **shared),
         embedding=OpenAIServingEmbedding(engine, names, **shared),
+        response_store=ResponseStore(settings.responses_store_dir, settings.responses_store),
     )
     app.state.serving_settings = settings
     app.add_middleware(GuardMiddleware, settings=settings, state=state)
@@ -317,9 +362,15 @@ class GracefulServer(uvicorn.Server):
     """A uvicorn server that drains in-flight requests on SIGTERM/SIGINT before it exits."""
 
     def __init__(
-        self, config: uvicorn.Config, state: ServerState, engine: AsyncEngineClient, shutdown_timeout: float
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        engine: AsyncEngineClient,
+        shutdown_timeout: float,
+        early_signal: Callable[[], int | None] | None = None,
     ) -> None:
         super().__init__(config)
+        self.early_signal = early_signal
         self.state = state
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
@@ -339,6 +390,9 @@ class GracefulServer(uvicorn.Server):
             return
         handled = (signal.SIGINT, signal.SIGTERM)
         original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        early = self.early_signal() if self.early_signal is not None else None
+        if early is not None:
+            self.handle_exit(early, None)
         try:
             yield
         finally:
@@ -398,16 +452,33 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _warn_if_tools_cannot_render(settings: ServerSettings, tokenizer: Any) -> None:
+    """A start-up warning when tool flags are given but no template renders tools: requests with
+    ``tools`` will be refused (400 on ``tools``)."""
+    if not (settings.enable_auto_tool_choice or settings.tool_call_parser):
+        return
+    own = getattr(tokenizer, "chat_template", None)
+    if not template_handles_tools(own) and tools_template(tokenizer) is None:
+        logger.warning(
+            "Tool calling is enabled (--enable-auto-tool-choice / --tool-call-parser), but the chat template "
+            "does not render tools, so requests with tools will be refused: give --chat-template FILE "
+            "naming a template with a tools section."
+        )
+
+
 def serve_engine(
     args: argparse.Namespace,
     engine: AsyncEngineClient,
-    served_name: str,
+    served_names: list[str],
     max_logprobs: int,
     metrics: EngineMetrics,
     sock: socket.socket | None = None,
+    early_signal: Callable[[], int | None] | None = None,
 ) -> int:
     """Serve ``engine`` over HTTP (on ``sock`` when given, else on ``--host``/``--port``) until
-    SIGTERM/SIGINT or the engine's death; returns the exit status (1 when the engine failed)."""
+    SIGTERM/SIGINT or the engine's death; returns the exit status (1 when the engine failed).
+    ``early_signal()``: a SIGTERM/SIGINT the caller caught before the server's handlers were in
+    place (None if none); the server then stops as if it came after them."""
     server: GracefulServer | None = None
 
     def engine_died(exc: BaseException) -> None:
@@ -416,7 +487,7 @@ def serve_engine(
             server.stop_after_engine_death(exc)
 
     engine.on_death = engine_died
-    settings = settings_from_args(args, served_name, max_logprobs)
+    settings = settings_from_args(args, served_names, max_logprobs)
     state = ServerState()
     app = build_app(engine, settings, metrics, state)
     uv_config = uvicorn.Config(
@@ -429,10 +500,10 @@ def serve_engine(
         # h11 with read deadlines for each request's head and body (whatever uvicorn would pick).
         http=timed_h11_protocol(settings.request_read_timeout),
     )
-    server = GracefulServer(uv_config, state, engine, args.shutdown_timeout)
+    server = GracefulServer(uv_config, state, engine, args.shutdown_timeout, early_signal)
     logger.info(
         "Serving %s (max_model_len %d) on http://%s:%d",
-        served_name,
+        ", ".join(served_names),
         engine.info.max_model_len,
         args.host,
         args.port,

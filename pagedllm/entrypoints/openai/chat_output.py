@@ -65,7 +65,9 @@ class ChoiceOutput:
 
     # -- a finished output ----------------------------------------------------------------------
 
-    def complete(self, text: str) -> CompleteChoice:
+    def complete(self, text: str, truncated: bool = False) -> CompleteChoice:
+        """The message of a finished output; ``truncated``: it was cut short by ``max_tokens`` (a tool
+        call it cuts is dropped, see :mod:`.tool_parsers.base`)."""
         reasoning: str | None = None
         content: str | None = text
         if self._reasoning_factory is not None:
@@ -73,9 +75,9 @@ class ChoiceOutput:
             reasoning, content = split.reasoning, split.content
         if self._tools is None or not content:
             return CompleteChoice(content=content, reasoning_content=reasoning)
-        extracted = self._tools.extract(content)
+        extracted = self._tools.extract(content, truncated)
         if not extracted.tools_called:
-            return CompleteChoice(content=content, reasoning_content=reasoning)
+            return CompleteChoice(content=extracted.content, reasoning_content=reasoning)
         calls = extracted.tool_calls if self._parallel else extracted.tool_calls[:1]
         self.called_tools = True
         return CompleteChoice(
@@ -100,20 +102,20 @@ class ChoiceOutput:
         delta.reasoning_content = split.reasoning_content or ""
         return delta
 
-    def finish(self) -> ChoiceDelta:
+    def finish(self, truncated: bool = False) -> ChoiceDelta:
         if self._reasoning is None:
-            return self._feed_content("", final=True)
+            return self._feed_content("", final=True, truncated=truncated)
         split = self._reasoning.finish()
-        delta = self._feed_content(split.content or "", final=True)
+        delta = self._feed_content(split.content or "", final=True, truncated=truncated)
         delta.reasoning_content = split.reasoning_content or ""
         return delta
 
-    def _feed_content(self, text: str, *, final: bool) -> ChoiceDelta:
+    def _feed_content(self, text: str, *, final: bool, truncated: bool = False) -> ChoiceDelta:
         if self._tools is None:
             return ChoiceDelta(content=text)
         parts = [self._tools.feed(text)] if text else []
         if final:
-            parts.append(self._tools.finish())
+            parts.append(self._tools.finish(truncated))
         delta = ChoiceDelta(content="".join(p.content or "" for p in parts))
         for part in parts:
             for piece in part.tool_calls:

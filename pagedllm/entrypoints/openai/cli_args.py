@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.limits import (
     PROMPT_BYTES_PER_TOKEN,
     RequestLimits,
 )
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, StoreLimits
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -36,7 +37,8 @@ class ServerSettings:
     """Server options that are not engine arguments."""
 
     served_model_names: list[str]
-    api_key: str | None = None
+    # Any of these keys is accepted ('Authorization: Bearer KEY'); none: no key is asked for.
+    api_keys: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # Seconds a request's body may take to arrive after its head (408 after that).
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S
@@ -57,6 +59,10 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # No /dashboard, /v1/engine/state or /v1/engine/events.
     disable_dashboard: bool = False
+    # Bounds of the stored responses, and the directory of their file (shared by the front-ends of
+    # one server; None: the app makes its own and removes it when it stops).
+    responses_store: StoreLimits = field(default_factory=StoreLimits)
+    responses_store_dir: str | None = None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -68,9 +74,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000).")
     parser.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="Require 'Authorization: Bearer KEY' on every route but /health "
-        f"(default: ${API_KEY_ENV} if set).",
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on every route but /health (repeat the flag to accept "
+        f"several keys; default: ${API_KEY_ENV} if set). Stored responses are seen only with the key that "
+        "made them.",
+    )
+    parser.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        metavar="N",
+        help="Stored responses (/v1/responses with store true) kept at most, the least recently used "
+        f"evicted first (default {DEFAULT_MAX_ENTRIES}).",
+    )
+    parser.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        metavar="BYTES",
+        help=f"Bytes of stored responses kept at most (default {DEFAULT_MAX_BYTES}).",
     )
     parser.add_argument(
         "--metrics-without-auth",
@@ -189,24 +213,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Most entries of an embeddings request's input; more are refused with 400 naming input "
         f"(default {DEFAULT_MAX_EMBEDDING_INPUTS}, OpenAI's limit).",
     )
-    parser.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted(TOOL_PARSERS),
-        help="How the model writes tool calls; needed for tool_choice 'auto' (with --enable-auto-tool-choice).",
-    )
-    parser.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="Let the model decide whether to call tools (tool_choice 'auto', the default when tools are "
-        "given); needs --tool-call-parser.",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSER_NAMES,
-        help="Return the model's <think> reasoning as reasoning_content, apart from the content.",
-    )
+    add_output_parser_args(parser)
     parser.add_argument(
         "--multiprocess",
         action=argparse.BooleanOptionalAction,
@@ -280,6 +287,38 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(parser, with_model=False)
 
 
+def add_output_parser_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that decide how replies are read (tool calls, reasoning): the server's and
+    ``run-batch``'s."""
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How the model writes tool calls; needed for tool_choice 'auto' (with --enable-auto-tool-choice).",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Let the model decide whether to call tools (tool_choice 'auto', the default when tools are "
+        "given); needs --tool-call-parser.",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSER_NAMES,
+        help="Return the model's <think> reasoning as reasoning_content, apart from the content.",
+    )
+
+
+def check_output_parser_args(args: argparse.Namespace) -> str | None:
+    """The problem with the flags of :func:`add_output_parser_args`, or None."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        return (
+            "--enable-auto-tool-choice needs --tool-call-parser NAME (the format the model writes calls in)."
+        )
+    return None
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """The first problem with the server's flags, or None."""
     if not 0 <= args.port <= 65535:
@@ -288,11 +327,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--max-queued-requests must be non-negative, got {args.max_queued_requests}."
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}."
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        return (
-            "--enable-auto-tool-choice needs --tool-call-parser NAME (the format the model writes calls in)."
-        )
-    problem = check_parallel_args(args)
+    problem = check_output_parser_args(args) or check_parallel_args(args)
     if problem is not None:
         return problem
     if not args.chat_template_timeout > 0:
@@ -315,6 +350,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         "max_allowed_token_ids",
         "max_bad_words",
         "max_embedding_inputs",
+        "responses_store_max",
+        "responses_store_max_bytes",
     ):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -358,10 +395,18 @@ def check_parallel_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def settings_from_args(args: argparse.Namespace, served_model_name: str, max_logprobs: int) -> ServerSettings:
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys of ``--api-key``, else ``$PAGEDLLM_API_KEY``'s one; empty keys are dropped."""
+    given = args.api_key or [os.environ.get(API_KEY_ENV) or ""]
+    return tuple(key for key in given if key)
+
+
+def settings_from_args(
+    args: argparse.Namespace, served_model_names: list[str], max_logprobs: int
+) -> ServerSettings:
     return ServerSettings(
-        served_model_names=[served_model_name],
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        served_model_names=list(served_model_names),
+        api_keys=api_keys_from_args(args),
         max_request_body_bytes=args.max_request_body_bytes,
         request_read_timeout=args.request_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
@@ -373,6 +418,8 @@ def settings_from_args(args: argparse.Namespace, served_model_name: str, max_log
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         disable_dashboard=getattr(args, "disable_dashboard", False),
+        responses_store=StoreLimits(args.responses_store_max, args.responses_store_max_bytes),
+        responses_store_dir=getattr(args, "responses_store_dir", None),
         limits=RequestLimits(
             max_prompt_bytes=args.max_prompt_bytes,
             max_stop_strings=args.max_stop_strings,

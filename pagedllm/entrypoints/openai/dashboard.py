@@ -22,8 +22,8 @@ from fastapi.responses import Response, StreamingResponse
 from pagedllm.entrypoints.openai.dashboard_auth import (
     LOGIN_PATH,
     PAGE_PATH,
-    key_matches,
     login_page,
+    matching_key,
     set_cookie_headers,
 )
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -72,7 +72,7 @@ def _rank(request: Request, engine: Any) -> int:
 @router.get(PAGE_PATH)
 async def dashboard_page(request: Request) -> Response:
     """The page; with ``?key=`` (already checked by the guard) the key becomes the cookie."""
-    key = request.app.state.serving_settings.api_key
+    key = getattr(request.state, "api_key", None)  # the one the guard accepted
     if key and "key" in request.query_params:
         return _to_page(key)  # the key leaves the address bar and the history
     return Response(
@@ -83,12 +83,13 @@ async def dashboard_page(request: Request) -> Response:
 @router.post(LOGIN_PATH)
 async def dashboard_login(request: Request) -> Response:
     """The login form's target: a right key sets the cookie and goes to the page."""
-    key = request.app.state.serving_settings.api_key
+    keys = request.app.state.serving_settings.api_keys
     body = (await request.body())[:4096].decode("utf-8", "replace")
     given = (parse_qs(body).get("key") or [""])[0]
-    if not key:
+    if not keys:
         return Response(status_code=303, headers={"Location": PAGE_PATH})
-    if not key_matches(given, key):
+    key = matching_key(given, keys)
+    if key is None:
         return Response(
             login_page("That is not this server's API key."), status_code=401, media_type="text/html"
         )

@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import html
 import secrets
+from collections.abc import Sequence
 from http.cookies import SimpleCookie
 from urllib.parse import parse_qs
 
@@ -42,26 +43,48 @@ def key_matches(given: str, api_key: str) -> bool:
     return secrets.compare_digest(given.encode(), api_key.encode())
 
 
-def dashboard_authorized(path: str, cookie_header: str | None, query: bytes, api_key: str) -> bool:
-    """Whether a dashboard route may be served without the bearer header: a valid cookie, or (the
-    page itself) a valid ``key`` query parameter, which the page then trades for the cookie."""
+def matching_key(given: str, api_keys: Sequence[str]) -> str | None:
+    """The key of ``api_keys`` that ``given`` is (each compared in constant time), or None."""
+    found = None
+    for key in api_keys:
+        if key_matches(given, key):
+            found = key
+    return found
+
+
+def bearer_key(authorization: str, api_keys: Sequence[str]) -> str | None:
+    """The key of ``api_keys`` an ``Authorization: Bearer KEY`` header carries, or None."""
+    scheme, _, given = authorization.partition(" ")
+    return matching_key(given, api_keys) if scheme == "Bearer" else None
+
+
+def dashboard_key(path: str, cookie_header: str | None, query: bytes, api_keys: Sequence[str]) -> str | None:
+    """The key that authorizes a dashboard route without the bearer header: the one a valid cookie
+    was made from, or (the page itself) a valid ``key`` query parameter, which the page then trades
+    for the cookie; None when neither."""
     if not is_dashboard_path(path):
-        return False
+        return None
     if path == PAGE_PATH and query:
-        keys = parse_qs(query.decode("latin-1")).get("key")
-        if keys and key_matches(keys[0], api_key):
-            return True
+        given = parse_qs(query.decode("latin-1")).get("key")
+        if given:
+            key = matching_key(given[0], api_keys)
+            if key is not None:
+                return key
     if not cookie_header:
-        return False
+        return None
     cookie: SimpleCookie = SimpleCookie()
     try:
         cookie.load(cookie_header)
     except Exception:  # noqa: BLE001 - a malformed cookie header authorizes nothing
-        return False
+        return None
     morsel = cookie.get(COOKIE_NAME)
-    return morsel is not None and secrets.compare_digest(
-        morsel.value.encode(), cookie_token(api_key).encode()
-    )
+    if morsel is None:
+        return None
+    found = None
+    for key in api_keys:
+        if secrets.compare_digest(morsel.value.encode(), cookie_token(key).encode()):
+            found = key
+    return found
 
 
 def set_cookie_headers(api_key: str) -> list[tuple[str, str]]:

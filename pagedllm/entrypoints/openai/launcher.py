@@ -34,7 +34,6 @@ from pagedllm.engine.observe.metrics import MULTIPROC_ENV, EngineMetrics
 from pagedllm.engine.proc.launch import (
     CoreOptions,
     LocalCores,
-    free_port_range,
     frontend_addresses,
     start_local_cores,
 )
@@ -45,7 +44,8 @@ from pagedllm.entrypoints.openai.cli_args import (
     configure_logging,
     engine_config_from_args,
 )
-from pagedllm.utils import die_with_parent
+from pagedllm.entrypoints.openai.response_store import new_store_dir
+from pagedllm.utils import die_with_parent, free_port_range
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.launcher")
 
@@ -102,11 +102,11 @@ def run_in_process(args: argparse.Namespace, config: EngineConfig) -> int:
     except (ValueError, OSError) as exc:
         logger.error("Could not start the engine: %s", exc)
         return 1
-    served_name = config.served_model_name or str(llm_engine.model_name)
-    metrics = EngineMetrics(served_name)
+    served_names = config.served_names(str(llm_engine.model_name))
+    metrics = EngineMetrics(served_names[0])
     metrics.set_engines_alive(1)
     engine = AsyncLLMEngine(llm_engine, max_queued_requests=args.max_queued_requests, metrics=metrics)
-    return serve_engine(args, engine, served_name, config.max_logprobs, metrics)
+    return serve_engine(args, engine, served_names, config.max_logprobs, metrics)
 
 
 def _core_options(args: argparse.Namespace, address: str) -> CoreOptions:
@@ -152,7 +152,11 @@ def run_frontend(
 ) -> int:
     """Front-end ``index``: wait for every core, then serve HTTP until SIGTERM or the cores' death.
     ``owns_cores``: tell the cores to stop when it stops (one front-end; with several, the launcher
-    stops them once every front-end has)."""
+    stops them once every front-end has).
+
+    A SIGTERM/SIGINT at any point of the start-up (imports, tokenizer, the wait for the cores, the
+    app's construction) is a request to stop, not a failure: the front-end exits 0 without serving."""
+    stop = _StopOnSignal()  # first: the start-up below takes seconds
     # The heavy imports (torch, transformers, the HTTP app) come here, after the cores were
     # started: the cores load the model while this process imports.
     from pagedllm.engine.proc.async_mp_engine import AsyncMPEngine
@@ -172,27 +176,34 @@ def run_frontend(
         liveness_timeout=args.engine_liveness_timeout or DEFAULT_LIVENESS_TIMEOUT_S,
     )
     try:
-        tokenizer = with_chat_template(
-            load_model_tokenizer(config.model, config.tokenizer), config.chat_template
+        try:
+            tokenizer = with_chat_template(
+                load_model_tokenizer(config.model, config.tokenizer), config.chat_template
+            )
+            info = client.wait_for_cores(args.engine_start_timeout, should_stop=stop.requested)
+        except (ValueError, OSError, RuntimeError) as exc:
+            client.close()
+            if stop.requested():
+                logger.info("Stopped during start-up.")
+                return 0
+            logger.error("Could not start the engine: %s", exc)
+            return 1
+        served_names = config.served_names(info.model_name)
+        metrics = EngineMetrics(served_names[0])
+        engine = AsyncMPEngine(
+            client,
+            info,
+            tokenizer,
+            metrics=metrics,
+            records_engine_stats=index == 0,
+            max_queued_requests=args.max_queued_requests,
         )
-        stop = _StopOnSignal()
-        info = client.wait_for_cores(args.engine_start_timeout, should_stop=stop.requested)
+        # The server's own handlers take over from ``stop``; a signal that came first stops it.
+        return serve_engine(
+            args, engine, served_names, info.max_logprobs, metrics, sock, early_signal=stop.received
+        )
+    finally:
         stop.restore()
-    except (ValueError, OSError, RuntimeError) as exc:
-        logger.error("Could not start the engine: %s", exc)
-        client.close()
-        return 1
-    served_name = config.served_model_name or info.model_name
-    metrics = EngineMetrics(served_name)
-    engine = AsyncMPEngine(
-        client,
-        info,
-        tokenizer,
-        metrics=metrics,
-        records_engine_stats=index == 0,
-        max_queued_requests=args.max_queued_requests,
-    )
-    return serve_engine(args, engine, served_name, info.max_logprobs, metrics, sock)
 
 
 class _StopOnSignal:
@@ -210,6 +221,10 @@ class _StopOnSignal:
 
     def requested(self) -> bool:
         return self.signalled is not None
+
+    def received(self) -> int | None:
+        """The signal received so far, if any."""
+        return self.signalled
 
     def restore(self) -> None:
         for sig, handler in self._saved.items():
@@ -241,6 +256,8 @@ def _run_frontends(
     # The front-ends share their Prometheus metrics through files (each /metrics shows them all).
     metrics_dir = tempfile.mkdtemp(prefix="pagedllm-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir
+    # They keep stored responses in one file, so that any front-end finds any response.
+    args.responses_store_dir = new_store_dir()
     ctx = multiprocessing.get_context("spawn")
     frontends = []
     for index in range(args.api_server_count):
@@ -275,7 +292,10 @@ def _run_frontends(
             multiprocessing.connection.wait([p.sentinel for p in pending], timeout=0.5)
             for proc in [p for p in pending if p.exitcode is not None]:
                 pending.remove(proc)
-                if proc.exitcode != 0:
+                # A front-end killed by the SIGTERM passed on to it (before it could handle it,
+                # early in its start-up) stopped as asked.
+                stopped_as_asked = bool(signalled) and proc.exitcode == -signal.SIGTERM
+                if proc.exitcode != 0 and not stopped_as_asked:
                     status = 1
                     if not signalled:
                         logger.error(
@@ -293,6 +313,7 @@ def _run_frontends(
                 proc.kill()
                 proc.join(5.0)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(args.responses_store_dir, ignore_errors=True)
     return status
 
 

@@ -5,7 +5,6 @@ that says so."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.cli_args import ServerSettings
-from pagedllm.entrypoints.openai.dashboard_auth import LOGIN_PATH, PAGE_PATH, dashboard_authorized, login_page
+from pagedllm.entrypoints.openai.dashboard_auth import (
+    LOGIN_PATH,
+    PAGE_PATH,
+    bearer_key,
+    dashboard_key,
+    login_page,
+)
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.http_timeouts import request_timeout
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
@@ -77,13 +82,12 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             await _body_too_large(limit).to_response()(scope, receive, send)
             return
-        key = self.settings.api_key
-        if key and path not in self.open_paths:
-            given = headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()) and not (
-                self.dashboard
-                and dashboard_authorized(path, headers.get("cookie"), scope.get("query_string", b""), key)
-            ):
+        keys = self.settings.api_keys
+        if keys and path not in self.open_paths:
+            key = bearer_key(headers.get("authorization", ""), keys)
+            if key is None and self.dashboard:
+                key = dashboard_key(path, headers.get("cookie"), scope.get("query_string", b""), keys)
+            if key is None:
                 if self.dashboard and path == PAGE_PATH and scope.get("method") == "GET":
                     page = HTMLResponse(login_page(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                     await page(scope, receive, send)
@@ -97,6 +101,8 @@ class GuardMiddleware:
                 )
                 await error.to_response()(scope, receive, send)
                 return
+            # The key the request came with (``request.state.api_key``): stored responses are its own.
+            scope.setdefault("state", {})["api_key"] = key
 
         received = 0
         # The whole body must be in within the read timeout of the head (the request's start here).

@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.chat_template import GuardedEnvironment, run_wi
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.protocol import ChatMessage
-from pagedllm.model.tokenizer import template_handles_tools
+from pagedllm.model.tokenizer import shipped_template_for, template_handles_tools
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -266,14 +266,17 @@ class Preprocessor:
                 f"chat_template_kwargs must not set {', '.join(reserved)}.", param="chat_template_kwargs"
             )
         convo = conversation(messages)
+        # The model's own template without a tools section: pagedllm's shipped one for it, if any.
+        shipped = shipped_template_for(self._tokenizer, convo, tools) if source is None else None
+        if shipped is not None:
+            kwargs["chat_template"] = shipped
         if tools:
             template = source if source is not None else getattr(self._tokenizer, "chat_template", None)
-            if not template_handles_tools(template):
+            if shipped is None and not template_handles_tools(template):
                 raise OpenAIError(
-                    "tools: the chat template does not render tools, so the model would not see them. Start "
-                    "the server with --chat-template FILE naming a template with a tools section (for "
-                    "SmolLM2: examples/chat_templates/smollm2_hermes_tools.jinja), or send tool_choice "
-                    '"none".',
+                    "tools: the chat template does not render tools, so the model would not see them. "
+                    "Start the server with --chat-template FILE naming a template with a tools section, "
+                    'or send tool_choice "none".',
                     param="tools",
                 )
             kwargs["tools"] = tools

@@ -73,6 +73,20 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pagedllm")
+    except Exception:  # noqa: BLE001 - not installed: running from a source tree
+        return "0.0.0+unknown"
+
+
+# The ``system_fingerprint`` of every completion and chunk: the serving software and its version (the
+# model is named in ``model``).
+SYSTEM_FINGERPRINT = f"fp_pagedllm_{_package_version()}"
+
+
 class OpenAIBaseModel(BaseModel):
     """Base of every request model: unknown fields are kept aside for the handlers to refuse by name;
     declared fields take only their own JSON type (no booleans as numbers, numeric strings or 1 as
@@ -180,6 +194,8 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: StructuredOutputs | None = None
     request_id: Text | None = None
     prompt_logprobs: int | None = None
+    # Keep only the prompt's last N tokens (-1: the model's context length); None keeps it whole.
+    truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
     length_penalty: Number = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     # Lower values run first on a server started with --scheduling-policy priority; an fcfs server
@@ -335,7 +351,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionStreamResponse(BaseModel):
@@ -345,6 +361,7 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -373,10 +390,19 @@ class ResponseToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """A reply's message; ``tool_calls`` is left out of the JSON when there are none (as OpenAI's)."""
+
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if not out.get("tool_calls"):
+            out.pop("tool_calls", None)
+        return dict(out)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -417,7 +443,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -449,6 +475,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(BaseModel):

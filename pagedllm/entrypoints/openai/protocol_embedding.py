@@ -29,8 +29,10 @@ class EmbeddingRequest(OpenAIBaseModel):
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = None
     user: Text | None = None
-    # vLLM extra
+    # vLLM extras
     add_special_tokens: bool = True
+    # Keep only each input's last N tokens (-1: the model's context length); None keeps it whole.
+    truncate_prompt_tokens: int | None = None
 
 
 class EmbeddingData(BaseModel):

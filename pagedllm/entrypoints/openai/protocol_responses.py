@@ -1,4 +1,4 @@
-"""Request and response models of ``POST /v1/responses`` (OpenAI's Responses API, stateless).
+"""Request and response models of ``/v1/responses`` (OpenAI's Responses API).
 
 A request is served as a view over a chat completion (see
 :mod:`pagedllm.entrypoints.openai.serving_responses`), so its fields are typed as strictly as the chat
@@ -186,7 +186,8 @@ def _supported_items(value: Any) -> Any:
         if isinstance(kind, str) and kind not in INPUT_ITEM_TYPES:
             raise ValueError(
                 f"input[{i}] is an item of type {kind!r}, which this server does not take (it takes "
-                f"{', '.join(INPUT_ITEM_TYPES)} items, text only, and keeps no items to reference)"
+                f"{', '.join(INPUT_ITEM_TYPES)} items, text only; to continue a stored response send "
+                "previous_response_id)"
             )
         parts = item.get("content") if kind == "message" else item.get("output")
         if not isinstance(parts, list):
@@ -217,9 +218,8 @@ def _function_tools_only(value: Any) -> Any:
 
 class ResponsesRequest(OpenAIBaseModel):
     """A ``POST /v1/responses`` body. The fields typed but refused unless left out or null
-    (``previous_response_id``, ``store: true``, ``background: true``, ``conversation``, ``include``,
-    ``reasoning.effort``, ``truncation: "auto"``, ``max_tool_calls``, ``text.verbosity``) are declared
-    so that their 400 says why; see the handler."""
+    (``conversation``, ``include``, ``reasoning.effort``, ``max_tool_calls``, ``text.verbosity``) are
+    declared so that their 400 says why; see the handler."""
 
     model: Text | None = None
     input: Annotated[
@@ -237,10 +237,13 @@ class ResponsesRequest(OpenAIBaseModel):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # Refused unless left out (or the one value that matches what this server does).
+    # Kept unless false (OpenAI's default); a stored response can be read, continued and deleted.
     store: bool | None = None
-    previous_response_id: str | None = None
+    # A stored response whose input and output come before this request's input.
+    previous_response_id: Text | None = None
+    # Answered at once with a queued response that is generated in the background (needs store).
     background: bool | None = None
+    # Refused unless left out (or the one value that matches what this server does).
     conversation: str | dict[str, Any] | None = None
     include: list[str] | None = None
     reasoning: ReasoningConfig | None = None
@@ -329,30 +332,56 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+ResponseStatus = Literal["completed", "incomplete", "in_progress", "queued", "cancelled", "failed"]
+
+
 class ResponseObject(BaseModel):
-    """OpenAI's Response object. ``status`` is ``in_progress`` only in the first events of a stream;
-    ``incomplete`` when the reply was cut at ``max_output_tokens`` (or the end of the context)."""
+    """OpenAI's Response object. ``status`` is ``in_progress`` in the first events of a stream and
+    while a background response runs (``queued`` before it starts); ``incomplete`` when the reply was
+    cut at ``max_output_tokens`` (or the end of the context); ``cancelled`` and ``failed`` (with
+    ``error``) only for background responses."""
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress"]
-    error: None = None
+    status: ResponseStatus
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
     output: list[OutputItem]
     parallel_tool_calls: bool
-    previous_response_id: None = None
-    store: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
     background: bool = False
     temperature: float
     top_p: float
     text: TextConfig
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice
     tools: list[FunctionTool]
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+class InputItemList(BaseModel):
+    """A page of a stored response's input items (each with its ``id``)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

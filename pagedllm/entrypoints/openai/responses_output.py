@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,8 +28,10 @@ from pagedllm.entrypoints.openai.protocol_responses import (
     OutputReasoning,
     OutputReasoningText,
     OutputText,
+    ResponseError,
     ResponseObject,
     ResponsesRequest,
+    ResponseStatus,
     ResponseUsage,
     TextConfig,
     TextFormatText,
@@ -104,9 +106,10 @@ class ResponseTemplate:
 
     def build(
         self,
-        status: Literal["completed", "incomplete", "in_progress"],
+        status: ResponseStatus,
         output: list[OutputItem],
         usage: ResponseUsage | None,
+        error: ResponseError | None = None,
     ) -> ResponseObject:
         request = self.request
         text = request.text if request.text is not None else TextConfig()
@@ -116,6 +119,7 @@ class ResponseTemplate:
             id=self.id,
             created_at=self.created_at,
             status=status,
+            error=error,
             incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete"
             else None,
@@ -124,11 +128,15 @@ class ResponseTemplate:
             model=self.model,
             output=output,
             parallel_tool_calls=request.parallel_tool_calls,
+            previous_response_id=request.previous_response_id,
+            store=request.store is not False,
+            background=bool(request.background),
             temperature=self.temperature,
             top_p=self.top_p,
             text=text,
             tool_choice=request.tool_choice if request.tool_choice is not None else "auto",
             tools=list(request.tools or []),
+            truncation=request.truncation or "disabled",
             usage=usage,
             user=request.user,
             metadata=dict(request.metadata or {}),
@@ -183,6 +191,7 @@ class StreamTranslator:
         self._finish_reason: str | None = None
         self._usage: dict[str, Any] | None = None
         self.ended = False
+        self.final: ResponseObject | None = None  # the response of the last event, once sent
         self._buffer = b""
 
     # -- input ----------------------------------------------------------------------------------
@@ -360,7 +369,7 @@ class StreamTranslator:
             out += self._close(index, item_status(self.items, index, incomplete))
         self.ended = True
         status: Literal["completed", "incomplete"] = "incomplete" if incomplete else "completed"
-        final = self.template.build(
+        final = self.final = self.template.build(
             status, [item.model() for item in self.items], usage_from_chat(self._usage)
         )
         out.append(self._event(f"response.{status}", response=final.model_dump(mode="json")))
@@ -387,12 +396,19 @@ class TranslatedStream(Response):
     """The chat handler's streaming response with its body rewritten by a :class:`StreamTranslator`.
 
     The chat response runs as it is (its close hook aborts the engine request however the stream
-    ends); only the body messages it sends are translated."""
+    ends); only the body messages it sends are translated. ``on_final`` gets the finished response
+    before its last event is sent (so a client that reads that event finds the response stored)."""
 
-    def __init__(self, inner: Response, translator: StreamTranslator) -> None:
+    def __init__(
+        self,
+        inner: Response,
+        translator: StreamTranslator,
+        on_final: Callable[[ResponseObject], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(media_type="text/event-stream")
         self.inner = inner
         self.translator = translator
+        self.on_final = on_final
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         translator = self.translator
@@ -409,6 +425,9 @@ class TranslatedStream(Response):
             except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started
                 info = error_from_exception(exc).to_body().error.model_dump()
                 text = "".join(translator.fail(info)) if not translator.ended else ""
+            if translator.final is not None and self.on_final is not None:
+                on_final, self.on_final = self.on_final, None
+                await on_final(translator.final)
             if text or not more:
                 await send({"type": "http.response.body", "body": text.encode("utf-8"), "more_body": more})
 

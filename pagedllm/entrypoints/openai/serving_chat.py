@@ -127,6 +127,7 @@ class OpenAIServingChat(GenerationServing):
             chat_template_kwargs=request.chat_template_kwargs,
             tools=plan.template_tools,
         )
+        prompt_ids = self.truncated(prompt_ids, self.truncation(request.truncate_prompt_tokens))
         max_tokens = self.check_prompt_length(len(prompt_ids), max_tokens, "messages")
         # The response echoes the client's id; the engine keys the request by one of its own, so two
         # clients sending the same id never collide.
@@ -222,7 +223,7 @@ class OpenAIServingChat(GenerationServing):
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             splitter = ChoiceOutput(plan.new_parser(), reasoning, parallel=plan.parallel)
-            message = splitter.complete(c.text)
+            message = splitter.complete(c.text, truncated=c.finish_reason == "length")
             logprobs = None
             if request.logprobs:
                 logprobs = ChatCompletionLogProbs(
@@ -238,7 +239,10 @@ class OpenAIServingChat(GenerationServing):
                         tool_calls=message.tool_calls,
                     ),
                     logprobs=logprobs,
-                    finish_reason="tool_calls" if message.tool_calls else c.finish_reason,
+                    # (a reply cut by max_tokens says so, with the calls completed before the cut)
+                    finish_reason="tool_calls"
+                    if message.tool_calls and c.finish_reason != "length"
+                    else c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
             )
@@ -319,11 +323,11 @@ class OpenAIServingChat(GenerationServing):
                         splitter = splitters[c.index]
                         piece = splitter.feed(c.text) if c.text else ChoiceDelta()
                         if finished:
-                            last = splitter.finish()
+                            last = splitter.finish(truncated=c.finish_reason == "length")
                             piece.content += last.content
                             piece.reasoning_content += last.reasoning_content
                             piece.tool_calls += last.tool_calls
-                            if splitter.called_tools:
+                            if splitter.called_tools and c.finish_reason != "length":
                                 finish_reason = "tool_calls"
                         if not (piece or finished or logprobs is not None):
                             continue

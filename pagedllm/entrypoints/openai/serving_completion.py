@@ -155,14 +155,17 @@ class OpenAIServingCompletion(GenerationServing):
     async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
         """The prompts as token ids; text prompts are tokenized on the tokenizer thread."""
         items = self.prompt_items(request.prompt, "prompt")
+        keep = self.truncation(request.truncate_prompt_tokens)
         for item in items:
-            if not isinstance(item, str) and len(item) > self.max_model_len:
+            if keep is None and not isinstance(item, str) and len(item) > self.max_model_len:
                 raise context_length_error(self.max_model_len, len(item), None, "prompt")
         ids = await self.tokenize_items(items, add_special_tokens=request.add_special_tokens, param="prompt")
-        return [
-            _Prompt(item if isinstance(item, str) else None, tokens)
-            for item, tokens in zip(items, ids, strict=True)
-        ]
+        prompts = []
+        for item, tokens in zip(items, ids, strict=True):
+            kept = self.truncated(tokens, keep)
+            # A cut prompt's text is that of the tokens kept (echo shows what the model read).
+            prompts.append(_Prompt(item if isinstance(item, str) and kept is tokens else None, kept))
+        return prompts
 
     def _prompt_text(self, prompt: _Prompt, output: RequestOutput | None = None) -> str:
         if prompt.text is not None:

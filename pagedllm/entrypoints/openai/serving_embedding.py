@@ -184,9 +184,13 @@ class OpenAIServingEmbedding(OpenAIServing):
             )
         if any(len(item) == 0 for item in items):
             raise OpenAIError("input must not contain empty strings or empty token lists.", param="input")
-        prompts = await self.tokenize_items(
-            items, add_special_tokens=request.add_special_tokens, param="input"
-        )
+        keep = self.truncation(request.truncate_prompt_tokens)
+        prompts = [
+            self.truncated(ids, keep)
+            for ids in await self.tokenize_items(
+                items, add_special_tokens=request.add_special_tokens, param="input"
+            )
+        ]
         for ids in prompts:
             if not ids:
                 raise OpenAIError("input holds a text that tokenizes to no tokens.", param="input")

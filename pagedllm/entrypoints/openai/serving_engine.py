@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
     SamplingRequest,
 )
 from pagedllm.errors import context_length_error as engine_context_length_error
+from pagedllm.model.token_bytes import TokenBytes, display_token
 from pagedllm.outputs import BeamSearchOutput, Logprob
 from pagedllm.outputs import PromptLogprobs as EnginePromptLogprobs
 from pagedllm.sampling_params import (
@@ -110,6 +111,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_logprobs = max_logprobs
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        self._token_bytes: TokenBytes | None = None  # built on the first chat logprobs
         if preprocessor is None:
             limits = RequestLimits().resolve(
                 max_model_len=self.max_model_len, vocab_size=engine.info.vocab_size, max_num_seqs=None
@@ -161,6 +163,34 @@ class OpenAIServing:
         self.limits.check_sampling(request, self.engine.max_queued_requests)
 
     # ------------------------------------------------------------------ prompts
+
+    def truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens vLLM's ``truncate_prompt_tokens`` keeps (None: all):
+        -1 means the model's context length; 0, other negatives and more than the context length
+        are 400s naming the field."""
+        value = truncate_prompt_tokens
+        if value is None:
+            return None
+        if value == -1:
+            return self.max_model_len
+        if value < 1:
+            raise OpenAIError(
+                f"truncate_prompt_tokens must be a number of tokens >= 1, or -1 (the model's context "
+                f"length), got {value}.",
+                param="truncate_prompt_tokens",
+            )
+        if value > self.max_model_len:
+            raise OpenAIError(
+                f"truncate_prompt_tokens ({value}) is greater than the model's context length "
+                f"({self.max_model_len}); give a smaller value, or -1 for the context length.",
+                param="truncate_prompt_tokens",
+            )
+        return value
+
+    @staticmethod
+    def truncated(ids: list[int], keep: int | None) -> list[int]:
+        """``ids`` without its first tokens beyond the last ``keep`` (None: all kept)."""
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep :]
 
     def check_prompt_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         """Resolve ``max_tokens`` (default: the rest of the context) and check the total fits."""
@@ -415,6 +445,16 @@ class OpenAIServing:
             return logprob.decoded_token
         return str(self.tokenizer.decode([token_id]))
 
+    def token_and_bytes(self, token_id: int, logprob: Logprob | None = None) -> tuple[str, list[int]]:
+        """The chat logprobs' ``token`` and ``bytes`` of a token: its own bytes (a token that holds
+        part of a character has those, not U+FFFD's), and for such a token ``\\xNN`` escapes in its
+        ``token`` string (see :mod:`pagedllm.model.token_bytes`)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        raw = self._token_bytes(token_id)
+        shown = display_token(raw)
+        return (self.token_text(token_id, logprob) if shown is None else shown), list(raw)
+
     def completion_logprobs(
         self,
         token_ids: list[int],
@@ -454,21 +494,18 @@ class OpenAIServing:
         for i, token_id in enumerate(token_ids):
             step = steps[i] if i < len(steps) else {}
             sampled = step.get(token_id)
-            token = self.token_text(token_id, sampled)
             top = [
-                ChatCompletionLogProb(
-                    token=(text := self.token_text(tid, lp)),
-                    logprob=_finite(lp.logprob),
-                    bytes=list(text.encode("utf-8", errors="replace")),
-                )
+                ChatCompletionLogProb(token=text, logprob=_finite(lp.logprob), bytes=raw)
                 for tid, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0)
                 if lp.rank is not None and 1 <= lp.rank <= num_top
+                for text, raw in [self.token_and_bytes(tid, lp)]
             ][:num_top]
+            token, raw = self.token_and_bytes(token_id, sampled)
             content.append(
                 ChatCompletionLogProbsContent(
                     token=token,
                     logprob=_finite(sampled.logprob) if sampled is not None else -9999.0,
-                    bytes=list(token.encode("utf-8", errors="replace")),
+                    bytes=raw,
                     top_logprobs=top,
                 )
             )

@@ -1,56 +1,42 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless, served as a view over a chat completion.
+"""``/v1/responses``: OpenAI's Responses API, served as a view over a chat completion, with stored
+responses.
 
-A request becomes a :class:`ChatCompletionRequest` (``instructions`` a leading system message, input
-items messages, flat function tools chat tools, ``text.format`` ``response_format``,
-``max_output_tokens`` ``max_completion_tokens``) that the chat handler answers in process. Its JSON
-body becomes a Response object; its server-sent chunks become the Responses events. Errors the chat
-handler raises name chat fields; they are renamed to the request's own (``messages[2]`` is the item
-``input[1]`` when ``instructions`` took the first message).
+A request becomes a chat request (:mod:`pagedllm.entrypoints.openai.responses_input`) that the chat
+handler answers in process; its JSON body becomes a Response object and its server-sent chunks the
+Responses events (:mod:`pagedllm.entrypoints.openai.responses_output`).
 
-Nothing is kept: ``previous_response_id``, ``store: true``, ``background: true`` and ``conversation``
-are refused, as are the other fields this server cannot honour (see :func:`check_served`).
-
-The Response objects and events are built by :mod:`pagedllm.entrypoints.openai.responses_output`.
+Responses are stored unless ``store`` is false (:mod:`pagedllm.entrypoints.openai.response_store`):
+each with the input items it answered, so that ``previous_response_id`` continues a conversation
+(the earlier input and output come before the new input; the earlier ``instructions`` do not carry
+over, as in OpenAI's API), and ``GET``/``DELETE /v1/responses/{id}``, ``/input_items`` and
+``/cancel`` find it through any front-end. ``background: true`` answers at once with a queued
+response; a task of this front-end generates it and stores the result, polling the store so that a
+cancel or delete made through another front-end stops it. ``conversation`` is refused, as are the
+other fields this server cannot honour (see :func:`check_served`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.field_checks import FieldRule, check_fields
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    ChatTool,
-    ChatToolCall,
-    FunctionCallModel,
-    FunctionDefinition,
-    JsonSchemaSpec,
-    NamedFunction,
-    NamedToolChoice,
-    ResponseFormat,
-    StreamOptions,
-)
 from pagedllm.entrypoints.openai.protocol_responses import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    FunctionToolChoice,
-    InputTextPart,
-    MessageItem,
-    ReasoningItem,
+    InputItemList,
+    ResponseError,
+    ResponseObject,
     ResponsesRequest,
-    TextConfig,
-    TextFormatJsonSchema,
 )
+from pagedllm.entrypoints.openai.response_store import ResponseStore, owner_of
+from pagedllm.entrypoints.openai.responses_input import ChatTranslation, stored_items, to_chat_request
 from pagedllm.entrypoints.openai.responses_output import (
     ResponseTemplate,
     StreamTranslator,
@@ -59,6 +45,10 @@ from pagedllm.entrypoints.openai.responses_output import (
     response_from_chat,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_engine import error_from_exception
+
+# Seconds between a background response's looks at the store for a cancel or delete.
+CANCEL_POLL_S = 0.25
 
 # ---------------------------------------------------------------------------------------------- refusals
 
@@ -88,20 +78,17 @@ def check_served(request: ResponsesRequest) -> None:
     """A 400 naming the field for what this stateless server does not do (unknown fields, with their
     path inside items, included)."""
     check_fields(request, RESPONSES_FIELDS)
-    if request.previous_response_id is not None:
-        raise OpenAIError(
-            "previous_response_id: responses are not kept by this server (it stores nothing); send the "
-            "whole conversation in input.",
-            param="previous_response_id",
-        )
-    if request.store:
-        raise OpenAIError("store: responses are not stored; send store false.", param="store")
     if request.background:
-        raise OpenAIError(
-            "background: responses are not run in the background (nothing is kept to poll); send background "
-            "false.",
-            param="background",
-        )
+        if request.store is False:
+            raise OpenAIError(
+                "background: a background response is stored to be polled; send store true or leave it out.",
+                param="background",
+            )
+        if request.stream:
+            raise OpenAIError(
+                "stream: background responses are not streamed here; poll GET /v1/responses/{id}.",
+                param="stream",
+            )
     if request.conversation is not None:
         raise OpenAIError(
             "conversation: conversations are not kept by this server; send the whole conversation in input.",
@@ -125,232 +112,47 @@ def check_served(request: ResponsesRequest) -> None:
             )
     if request.text is not None and request.text.verbosity is not None:
         raise OpenAIError("text.verbosity is not configurable here; leave it out.", param="text.verbosity")
-    if request.truncation == "auto":
-        raise OpenAIError(
-            'truncation "auto" is not supported: an input longer than the context is refused.',
-            param="truncation",
-        )
     if request.max_tool_calls is not None:
         raise OpenAIError("max_tool_calls is not supported; leave it out.", param="max_tool_calls")
-
-
-# ---------------------------------------------------------------------------------------------- requests
-
-# Chat fields named by the chat handler's errors, as this request names them.
-_RENAMED = {
-    "max_completion_tokens": "max_output_tokens",
-    "max_tokens": "max_output_tokens",
-    "response_format": "text.format",
-    "structured_outputs": "text.format",
-    "prompt": "input",
-}
-_MESSAGE_PARAM = re.compile(r"^messages(?:\[(\d+)\](?:\.tool_calls\[(\d+)\])?)?")
-_TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function(\.\S*)?$")
-
-
-@dataclass
-class ChatTranslation:
-    """A Responses request as a chat request, with the request field each chat message came from."""
-
-    chat: ChatCompletionRequest
-    # Per chat message: "instructions", "input" (a string input) or "input[i]" (its first item).
-    message_params: list[str]
-    # (chat message, tool call) -> the function_call item it came from.
-    call_params: dict[tuple[int, int], str] = field(default_factory=dict)
-
-    def param(self, name: str | None) -> str | None:
-        """The request field a chat field name stands for."""
-        if name is None:
-            return None
-        m = _MESSAGE_PARAM.match(name)
-        if m is not None:
-            if m.group(1) is None:
-                return "input"
-            index = int(m.group(1))
-            if m.group(2) is not None:
-                return self.call_params.get((index, int(m.group(2))), "input")
-            return self.message_params[index] if index < len(self.message_params) else "input"
-        m = _TOOL_PARAM.match(name)
-        if m is not None:
-            return f"tools[{m.group(1)}]{m.group(2) or ''}"
-        return _RENAMED.get(name, name)
-
-    def error(self, exc: OpenAIError) -> OpenAIError:
-        """``exc`` (from the chat handler) naming this request's fields."""
-        old = exc.param
-        exc.param = self.param(old)
-        if old is not None and exc.param != old and exc.message.startswith(old):
-            exc.message = str(exc.param) + exc.message[len(old) :]
-        for chat_name in ("max_completion_tokens", "max_tokens"):
-            if exc.message.startswith(chat_name + " "):
-                exc.message = "max_output_tokens" + exc.message[len(chat_name) :]
-        return exc
-
-
-def _text(content: str | list[InputTextPart]) -> str:
-    return content if isinstance(content, str) else "\n".join(part.text for part in content)
-
-
-class _Conversation:
-    """Chat messages built from input items: consecutive function calls (and the assistant message
-    just before them) make one assistant message; a reasoning item becomes the reasoning of the
-    assistant turn that follows it."""
-
-    def __init__(self) -> None:
-        self.messages: list[ChatMessage] = []
-        self.params: list[str] = []
-        self.call_params: dict[tuple[int, int], str] = {}
-        self._call_ids: set[str] = set()
-        self._reasoning: tuple[str, str] | None = None  # (text, item) waiting for its assistant turn
-
-    def add(self, message: ChatMessage, param: str) -> None:
-        self.messages.append(message)
-        self.params.append(param)
-
-    def item(
-        self,
-        item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-        param: str,
-    ) -> None:
-        if isinstance(item, ReasoningItem):
-            parts = item.content if item.content else item.summary
-            text = "\n".join(part.text for part in parts)
-            if self._reasoning is not None:
-                text = self._reasoning[0] + "\n" + text
-            self._reasoning = (text, param)
-            return
-        if isinstance(item, FunctionCallItem):
-            self._call(item, param)
-            return
-        if isinstance(item, MessageItem) and item.role == "assistant":
-            self.add(
-                ChatMessage(role="assistant", content=_text(item.content), reasoning_content=self._take()),
-                param,
-            )
-            return
-        self._no_reasoning()
-        if isinstance(item, MessageItem):
-            self.add(ChatMessage(role=item.role, content=_text(item.content)), param)
-            return
-        if item.call_id not in self._call_ids:
-            raise OpenAIError(
-                f"{param}.call_id: no function_call item before this output has call_id {item.call_id!r}.",
-                param=f"{param}.call_id",
-            )
-        self.add(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text(item.output)), param)
-
-    def finish(self) -> None:
-        self._no_reasoning()
-
-    def _call(self, item: FunctionCallItem, param: str) -> None:
-        call = ChatToolCall(
-            id=item.call_id, function=FunctionCallModel(name=item.name, arguments=item.arguments)
-        )
-        self._call_ids.add(item.call_id)
-        last = self.messages[-1] if self.messages else None
-        if (
-            self._reasoning is None
-            and last is not None
-            and last.role == "assistant"
-            and self.params[-1] != "instructions"
-        ):
-            last.tool_calls = [*(last.tool_calls or []), call]
-        else:
-            self.add(ChatMessage(role="assistant", tool_calls=[call], reasoning_content=self._take()), param)
-        self.call_params[(len(self.messages) - 1, len(self.messages[-1].tool_calls or []) - 1)] = param
-
-    def _take(self) -> str | None:
-        text = self._reasoning[0] if self._reasoning is not None else None
-        self._reasoning = None
-        return text
-
-    def _no_reasoning(self) -> None:
-        if self._reasoning is not None:
-            raise OpenAIError(
-                f"{self._reasoning[1]} is a reasoning item, which must be followed by an assistant message "
-                "or a function_call item.",
-                param=self._reasoning[1],
-            )
-
-
-def _response_format(text: TextConfig | None) -> ResponseFormat | None:
-    fmt = text.format if text is not None else None
-    if fmt is None:
-        return None
-    if isinstance(fmt, TextFormatJsonSchema):
-        spec = JsonSchemaSpec(
-            name=fmt.name, schema=fmt.json_schema, description=fmt.description, strict=fmt.strict
-        )
-        return ResponseFormat(type="json_schema", json_schema=spec)
-    return ResponseFormat(type=fmt.type)
-
-
-def to_chat_request(request: ResponsesRequest) -> ChatTranslation:
-    """The chat request that answers ``request`` (which :func:`check_served` has accepted)."""
-    convo = _Conversation()
-    if request.instructions is not None:
-        convo.add(ChatMessage(role="system", content=request.instructions), "instructions")
-    if isinstance(request.input, str):
-        convo.add(ChatMessage(role="user", content=request.input), "input")
-    else:
-        for i, item in enumerate(request.input):
-            convo.item(item, f"input[{i}]")
-        convo.finish()
-    tools = None
-    if request.tools is not None:
-        tools = [
-            ChatTool(
-                type="function",
-                function=FunctionDefinition(
-                    name=tool.name,
-                    description=tool.description,
-                    parameters=tool.parameters,
-                    strict=tool.strict,
-                ),
-            )
-            for tool in request.tools
-        ]
-    choice = request.tool_choice
-    chat_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = (
-        NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-        if isinstance(choice, FunctionToolChoice)
-        else choice
-    )
-    fields: dict[str, Any] = {
-        "model": request.model,
-        "messages": convo.messages,
-        "max_completion_tokens": request.max_output_tokens,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "seed": request.seed,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
-        "repetition_penalty": request.repetition_penalty,
-        "priority": request.priority,
-        "stream": request.stream,
-        "stream_options": StreamOptions(include_usage=True) if request.stream else None,
-        "tools": tools,
-        "tool_choice": chat_choice,
-        "parallel_tool_calls": request.parallel_tool_calls,
-        "response_format": _response_format(request.text),
-        "user": request.user,
-    }
-    chat = ChatCompletionRequest.model_validate(fields)
-    return ChatTranslation(chat, convo.params, convo.call_params)
 
 
 # ---------------------------------------------------------------------------------------------- handler
 
 
-class OpenAIServingResponses:
-    """Handles ``POST /v1/responses`` through ``chat`` (the server's chat completions handler)."""
+async def _never_disconnects() -> dict[str, Any]:
+    """The ``receive`` of a background response's request: its client never goes away."""
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}  # pragma: no cover - never reached
 
-    def __init__(self, chat: OpenAIServingChat) -> None:
+
+def request_owner(raw_request: Request) -> str:
+    """The owner of the responses a request stores and may read: its API key's digest."""
+    return owner_of(getattr(raw_request.state, "api_key", None))
+
+
+def _not_found(response_id: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(
+        f"Response with id {response_id!r} not found.", status_code=404, param=param, code=code
+    )
+
+
+class OpenAIServingResponses:
+    """Handles ``/v1/responses`` through ``chat`` (the server's chat completions handler), keeping
+    responses in ``store``."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
         self.chat = chat
+        self.store = store
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- creating -------------------------------------------------------------------------------
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         check_served(request)
-        translation = to_chat_request(request)
+        owner = request_owner(raw_request)
+        prior = await self._prior(owner, request.previous_response_id)
+        translation = to_chat_request(request, prior)
+        context = prior + stored_items(request)
         defaults = self.chat.default_sampling(translation.chat)
         template = ResponseTemplate(
             id=new_id("resp"),
@@ -360,15 +162,163 @@ class OpenAIServingResponses:
             temperature=float(defaults["temperature"]),
             top_p=float(defaults["top_p"]),
         )
-        try:
-            inner = await self.chat.create_chat_completion(translation.chat, raw_request)
-        except OpenAIError as exc:
-            raise translation.error(exc) from None
+        store = request.store is not False
+        if request.background:
+            queued = template.build("queued", [], None)
+            await asyncio.to_thread(self.store.put, owner, queued.model_dump(mode="json"), context)
+            detached = Request(raw_request.scope, receive=_never_disconnects)
+            task = asyncio.create_task(self._run_background(owner, template, translation, detached))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return JSONResponse(queued.model_dump(mode="json"))
+        inner = await self._chat(translation, raw_request)
         if request.stream:
             if inner.status_code != 200 or not inner.media_type or "event-stream" not in inner.media_type:
                 return inner
-            return TranslatedStream(inner, StreamTranslator(template, translation.param))
+
+            async def keep(final: ResponseObject) -> None:
+                await asyncio.to_thread(self.store.put, owner, final.model_dump(mode="json"), context)
+
+            translator = StreamTranslator(template, translation.param)
+            return TranslatedStream(inner, translator, keep if store else None)
         if not isinstance(inner, JSONResponse) or inner.status_code != 200:
             return inner  # the client went away (499)
-        body = json.loads(bytes(inner.body))
-        return JSONResponse(response_from_chat(template, body).model_dump(mode="json"))
+        response = response_from_chat(template, json.loads(bytes(inner.body))).model_dump(mode="json")
+        if store:
+            await asyncio.to_thread(self.store.put, owner, response, context)
+        return JSONResponse(response)
+
+    async def _prior(self, owner: str, previous_id: str | None) -> list[dict[str, Any]]:
+        """The items before a request's input: the stored previous response's input and output."""
+        if previous_id is None:
+            return []
+        previous = await asyncio.to_thread(self.store.get, owner, previous_id)
+        if previous is None:
+            raise OpenAIError(
+                f"Previous response with id {previous_id!r} not found.",
+                status_code=404,
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        if previous.status not in ("completed", "incomplete"):
+            raise OpenAIError(
+                f"previous_response_id: response {previous_id!r} is {previous.status}; only a completed or "
+                "incomplete response can be continued.",
+                param="previous_response_id",
+            )
+        return previous.context + list(previous.response["output"])
+
+    async def _chat(self, translation: ChatTranslation, raw_request: Request) -> Response:
+        """The chat handler's answer; with ``truncation: "auto"`` input items are dropped, oldest
+        first, until the rest fits."""
+        request = translation.request
+        while True:
+            try:
+                return await self.chat.create_chat_completion(translation.chat, raw_request)
+            except OpenAIError as exc:
+                if not (
+                    request.truncation == "auto"
+                    and exc.code == "context_length_exceeded"
+                    and translation.drop_oldest_item()
+                ):
+                    raise translation.error(exc) from None
+
+    async def _run_background(
+        self, owner: str, template: ResponseTemplate, translation: ChatTranslation, raw_request: Request
+    ) -> None:
+        """Generate a background response and store the result, unless it is cancelled or deleted
+        (through any front-end: the store is polled) first."""
+        running = template.build("in_progress", [], None).model_dump(mode="json")
+        if not await asyncio.to_thread(self.store.finish, owner, running):
+            return
+        generation = asyncio.ensure_future(self._chat(translation, raw_request))
+        try:
+            while not (await asyncio.wait({generation}, timeout=CANCEL_POLL_S))[0]:
+                if await asyncio.to_thread(self.store.should_stop, template.id):
+                    generation.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await generation
+                    return
+        finally:
+            if not generation.done():  # this task was cancelled (the server stops)
+                generation.cancel()
+        try:
+            inner = generation.result()
+            if not isinstance(inner, JSONResponse) or inner.status_code != 200:
+                raise OpenAIError(f"the chat handler answered {inner.status_code}", status_code=500)
+            final = response_from_chat(template, json.loads(bytes(inner.body)))
+        except Exception as exc:  # noqa: BLE001 - the failure is the stored response's error
+            error = error_from_exception(exc)
+            code = error.code if isinstance(error.code, str) else error.type
+            final = template.build("failed", [], None, ResponseError(code=code, message=error.message))
+        await asyncio.to_thread(self.store.finish, owner, final.model_dump(mode="json"))
+
+    async def shutdown(self) -> None:
+        """Stop the background responses of this front-end (the server stops)."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- reading, cancelling, deleting ----------------------------------------------------------
+
+    async def retrieve(self, response_id: str, raw_request: Request) -> Response:
+        if raw_request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise OpenAIError(
+                "stream: a stored response is returned whole here; leave stream out.", param="stream"
+            )
+        found = await asyncio.to_thread(self.store.get, request_owner(raw_request), response_id)
+        if found is None:
+            raise _not_found(response_id)
+        return JSONResponse(found.response)
+
+    async def input_items(self, response_id: str, raw_request: Request) -> Response:
+        """OpenAI's list of the input items a response answered (``order`` desc by default,
+        ``limit`` 1-100, ``after``/``before`` an item id)."""
+        query = raw_request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
+        limit_text = query.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise OpenAIError(f"limit must be an integer in [1, 100], got {limit_text!r}.", param="limit")
+        found = await asyncio.to_thread(self.store.get, request_owner(raw_request), response_id)
+        if found is None:
+            raise _not_found(response_id)
+        items = found.context if order == "asc" else found.context[::-1]
+        ids = [item["id"] for item in items]
+        for name in ("after", "before"):
+            anchor = query.get(name)
+            if anchor is None:
+                continue
+            if anchor not in ids:
+                raise OpenAIError(f"{name}: no input item {anchor!r} in this response.", param=name)
+            cut = ids.index(anchor)
+            items, ids = (items[cut + 1 :], ids[cut + 1 :]) if name == "after" else (items[:cut], ids[:cut])
+        page = items[: int(limit_text)]
+        listing = InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=len(items) > len(page),
+        )
+        return JSONResponse(listing.model_dump(mode="json"))
+
+    async def cancel(self, response_id: str, raw_request: Request) -> Response:
+        # Only background responses are ever stored while running, so the store's cancel leaves any
+        # other entry as it is and the check below can follow it.
+        found = await asyncio.to_thread(self.store.cancel, request_owner(raw_request), response_id)
+        if found is None:
+            raise _not_found(response_id)
+        if not found.response.get("background"):
+            raise OpenAIError(
+                f"Response {response_id!r} was not created in the background; only background responses "
+                "can be cancelled.",
+                param="response_id",
+            )
+        return JSONResponse(found.response)  # cancelled, or as it ended before the cancel
+
+    async def delete(self, response_id: str, raw_request: Request) -> Response:
+        if not await asyncio.to_thread(self.store.delete, request_owner(raw_request), response_id):
+            raise _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

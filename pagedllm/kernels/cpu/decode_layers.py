@@ -80,6 +80,7 @@ class DecodeShape:
     eps: float  # RMSNorm epsilon
     scale: float  # attention softmax scale
     block_size: int
+    rope_interleaved: bool = False  # rotary pairs (2i, 2i + 1) instead of (i, i + head_dim / 2)
 
 
 class DecodeLayersKernel:
@@ -144,7 +145,7 @@ class DecodeLayersKernel:
             s.head_dim, s.intermediate, s.eps, s.scale,
             positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-            max_seq_len, s.block_size,
+            max_seq_len, s.block_size, int(s.rope_interleaved),
         )  # fmt: skip
         if rc == -1 or rc == -3:
             raise MemoryError("native decode layers: out of memory for scratch buffers.")

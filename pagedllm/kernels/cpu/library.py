@@ -13,6 +13,7 @@ fall back to pure torch.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -48,7 +49,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     + [_F32],
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32],
     "silu_and_mul_f32": [_PTR, _I64, _PTR, _I64, _I64, _I64],
-    "rotary_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
+    "rotary_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64],
     "max_logsumexp_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "softmax_row_f32": [_PTR, _I64],
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
@@ -59,7 +60,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     + [_I64] * 6
     + [_F32, _F32]
     + [_PTR] * 5
-    + [_I64, _PTR, _I64, _I64],
+    + [_I64, _PTR, _I64, _I64, _I64],
     "quant_matmul_f32": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "quant_matmul_f32_portable": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "quant_dequantize_f32": [_I64, _PTR, _I64, _I64, _I64, _PTR],
@@ -123,6 +124,27 @@ def _run(cmd: list[str]) -> None:
         raise KernelBuildError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
 
 
+def _build(cc: str, target: Path) -> None:
+    """Compile and link the library to ``target``, once among concurrent processes: the first takes
+    a lock beside the target and builds; the others wait on the lock and then find the file. The
+    file is built beside the target and renamed, so no process ever loads a half-written one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            objects = []
+            for source in _SOURCES:
+                obj = os.path.join(tmp, source.stem + ".o")
+                _run([cc, *_COMPILE_FLAGS, "-c", str(source), "-o", obj])
+                objects.append(obj)
+            built = os.path.join(tmp, "kernels.so")
+            _run([cc, *_LINK_FLAGS, *objects, "-o", built, "-lm"])
+            os.replace(built, target)
+    logger.info("Built the CPU kernels: %s", target)
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """Build (if needed) and load the kernel library; raises :class:`KernelBuildError`."""
@@ -133,18 +155,7 @@ def load_library() -> ctypes.CDLL:
         key.update(source.name.encode() + b"\0" + source.read_bytes())
     target = cache_root() / "kernels" / f"pagedllm-cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent processes never load a half-written file.
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            objects = []
-            for source in _SOURCES:
-                obj = os.path.join(tmp, source.stem + ".o")
-                _run([cc, *_COMPILE_FLAGS, "-c", str(source), "-o", obj])
-                objects.append(obj)
-            built = os.path.join(tmp, "kernels.so")
-            _run([cc, *_LINK_FLAGS, *objects, "-o", built, "-lm"])
-            os.replace(built, target)
-        logger.info("Built the CPU kernels: %s", target)
+        _build(cc, target)
     torch.get_num_threads()  # make sure torch (and its OpenMP runtime) is initialised first
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():

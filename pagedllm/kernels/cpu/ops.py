@@ -63,11 +63,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out if x.dim() == 2 else out.view(*x.shape[:-1], d)
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, D]`` in place (its last dimension contiguous) and return it.
 
     ``positions`` ``[T]`` int64 index rows of ``cos``/``sin`` ``[max_pos, D / 2]`` (float32,
-    contiguous); positions must be in range (the caller's invariant).
+    contiguous); positions must be in range (the caller's invariant). The rotated pairs are
+    ``(i, i + D / 2)``, or ``(2i, 2i + 1)`` with ``interleaved``.
     """
     t, heads, d = x.shape
     if x.stride(-1) != 1:
@@ -86,6 +89,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         positions.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
+        int(interleaved),
     )
     return x
 

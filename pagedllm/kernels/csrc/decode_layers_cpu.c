@@ -22,7 +22,8 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *residual, int64
                   const float *weight, int64_t rows, int64_t hidden, float eps);
 void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride, int64_t rows, int64_t d);
 void rotary_f32(float *x, int64_t stride_t, int64_t stride_h, int64_t tokens, int64_t num_heads,
-                int64_t head_dim, const int64_t *positions, const float *cos_cache, const float *sin_cache);
+                int64_t head_dim, const int64_t *positions, const float *cos_cache, const float *sin_cache,
+                int64_t interleaved);
 int paged_decode_attention_f32(
     const float *q, int64_t q_stride_seq, int64_t q_stride_head, const float *k_cache, const float *v_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
@@ -81,7 +82,7 @@ enum { P_LN1, P_QKV, P_O, P_LN2, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, NUM_P 
  * ``final_norm`` NULL the layers' last ``x`` goes to ``out`` and the residual to ``residual_out``
  * (the next stage's input) instead of the final norm. Row r is one sequence's new token at ``positions[r]``, its K/V
  * go to cache slot ``slots[r]`` (skipped when negative) and it attends over ``seq_lens[r]`` tokens
- * through ``block_tables[r]``. Returns 0, -1 when a scratch buffer could not be allocated, or a
+ * through ``block_tables[r]``; ``rope_interleaved``: the rotary pairs' layout (see rotary_f32). Returns 0, -1 when a scratch buffer could not be allocated, or a
  * product kernel's error code.
  */
 int llama_decode_layers_f32(
@@ -90,7 +91,7 @@ int llama_decode_layers_f32(
     int64_t head_dim, int64_t intermediate, float eps, float scale,
     const int64_t *positions, const float *cos_cache, const float *sin_cache, const int64_t *slots,
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int64_t max_seq_len,
-    int64_t block_size)
+    int64_t block_size, int64_t rope_interleaved)
 {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
@@ -116,7 +117,8 @@ int llama_decode_layers_f32(
         }
         if ((rc = linear_forward(PTR(P_QKV), h, hidden, qkv, qkv_size, rows, hidden))) break;
         /* q and k heads are adjacent: rotate them in one pass. */
-        rotary_f32(qkv, qkv_size, head_dim, rows, num_heads + num_kv_heads, head_dim, positions, cos_cache, sin_cache);
+        rotary_f32(qkv, qkv_size, head_dim, rows, num_heads + num_kv_heads, head_dim, positions, cos_cache, sin_cache,
+                   rope_interleaved);
         for (int64_t r = 0; r < rows; ++r) {
             if (slots[r] < 0) continue;
             const float *k = qkv + r * qkv_size + q_size;

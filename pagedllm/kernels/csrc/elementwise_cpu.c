@@ -49,10 +49,13 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t out_
     }
 }
 
-/* Rotary embedding ("rotate half" layout) of x[t, h, :] in place, for heads [0, num_heads):
- * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos/sin rows [max_pos, head_dim / 2]. */
+/* Rotary embedding of x[t, h, :] in place, for heads [0, num_heads), with cos/sin rows
+ * [max_pos, head_dim / 2]: each pair (x1, x2) of frequency i -> (x1 cos - x2 sin, x2 cos + x1 sin).
+ * The pairs are (i, i + head_dim / 2) ("rotate half", HF Llama's layout) or, with ``interleaved``,
+ * (2i, 2i + 1) (the layout of llama.cpp's GGUF q/k rows, which the model then keeps as stored). */
 void rotary_f32(float *x, int64_t stride_t, int64_t stride_h, int64_t tokens, int64_t num_heads,
-                int64_t head_dim, const int64_t *positions, const float *cos_cache, const float *sin_cache)
+                int64_t head_dim, const int64_t *positions, const float *cos_cache, const float *sin_cache,
+                int64_t interleaved)
 {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for if (tokens * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)
@@ -61,6 +64,15 @@ void rotary_f32(float *x, int64_t stride_t, int64_t stride_h, int64_t tokens, in
         const float *s = sin_cache + positions[t] * half;
         for (int64_t h = 0; h < num_heads; ++h) {
             float *x1 = x + t * stride_t + h * stride_h;
+            if (interleaved) {
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = x1[2 * i], b = x1[2 * i + 1];
+                    x1[2 * i] = a * c[i] - b * s[i];
+                    x1[2 * i + 1] = b * c[i] + a * s[i];
+                }
+                continue;
+            }
             float *x2 = x1 + half;
 #pragma omp simd
             for (int64_t i = 0; i < half; ++i) {

@@ -144,6 +144,23 @@ INLINE void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8])
 }
 
 #if QUANT_ISA > 0
+/* Software prefetch of the weight stream, ahead of the block at p (``bytes`` long) being read: into
+ * L1 at PREFETCH_L1 bytes ahead and into L2 at PREFETCH_L2. Weight rows are read one after the other,
+ * so this is one sequential stream per thread; the hardware prefetchers alone kept it at under half
+ * the read bandwidth (measured: 11 GB/s of 24 on two threads, 1B Q4_K_M batch-1 decode; 21 GB/s with
+ * these distances, which were the best of those tried). A prefetch past the end of the weight does
+ * not fault. The AVX2 path prefetches the same way (not measured here: these machines take the
+ * AVX-512 path). */
+#define PREFETCH_L1 1024
+#define PREFETCH_L2 12288
+INLINE void prefetch_ahead(const uint8_t *p, int bytes)
+{
+    for (int off = 0; off < bytes; off += 64) {
+        _mm_prefetch((const char *)p + PREFETCH_L1 + off, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PREFETCH_L2 + off, _MM_HINT_T1);
+    }
+}
+
 /* The same, 8 scales and 8 mins as the bytes of two 64-bit words (little-endian, as x86 is). */
 INLINE void k_scales_packed(const uint8_t *s, uint64_t *sc, uint64_t *mn)
 {
@@ -538,11 +555,12 @@ INLINE void transpose16x4(const uint8_t *p, int64_t rb, __m512i T[4])
 /* The tile of the blocks at p + r * rb (r < 16); ``rows`` holds r * rb in lane r. Prefetches the
  * 16 * (block bytes) at pf: the next group's rows are read one block of each at a time, 16 streams
  * that the hardware prefetchers do not follow well, so each block of a group fetches the same share
- * of the next group's bytes (contiguous). */
+ * of the next group's bytes (contiguous), into L2 (a whole group does not fit L1 beside the tiles:
+ * measured 20.1 GB/s into L1, 22.4 into L2, 1B Q8_0 batch-1 decode, two threads). */
 INLINE void decode_tile16(const int type, const uint8_t *p, int64_t rb, __m512i rows, wtile16 *t, const uint8_t *pf)
 {
     const int bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
-    for (int off = 0; off < 16 * bb; off += 64) _mm_prefetch((const char *)pf + off, _MM_HINT_T0);
+    for (int off = 0; off < 16 * bb; off += 64) _mm_prefetch((const char *)pf + off, _MM_HINT_T1);
     const __m512i head = _mm512_i32gather_epi32(rows, p, 1); /* d, and m for Q4_1 */
     t->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
     t->m = type == Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))) : _mm512_setzero_ps();
@@ -767,7 +785,9 @@ INLINE void colsk_avx512(const int R, const int type, const uint8_t *w, int64_t 
         for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             kblock512 k;
-            decode_k512(type, w + o * row_bytes + b * bb, &k);
+            const uint8_t *blk = w + o * row_bytes + b * bb;
+            prefetch_ahead(blk, bb);
+            decode_k512(type, blk, &k);
 #pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
                 const xblockk *xb = x + i * xs + b;
@@ -966,7 +986,9 @@ INLINE void colsk_avx2(const int R, const int type, const uint8_t *w, int64_t ro
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
-            decode_k256(type, w + o * row_bytes + b * bb, &k);
+            const uint8_t *blk = w + o * row_bytes + b * bb;
+            prefetch_ahead(blk, bb);
+            decode_k256(type, blk, &k);
             const __m256i mins = _mm256_loadu_si256((const __m256i *)k.mins);
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) {

@@ -17,11 +17,13 @@ The rules every format follows:
   object, an unclosed tag, stray text inside the tool region, a region with no call) is returned by
   ``extract`` as plain content: ``tools_called=False`` and ``content`` the original text. Parsers never
   raise on model output.
-* Streaming cannot take back what it has sent. A call is streamed when it is complete, so a malformed
-  call is never streamed as a call; instead the rest of the output from that call on is streamed as
-  content. Calls completed before it stay sent, and where a call's name was already streamed (it is
-  sent as soon as it is known) that call is left without arguments. For output that parses, streaming
-  and ``extract`` agree exactly (names, arguments, content).
+* Output cut short by ``max_tokens`` (``truncated``) in the middle of the tool region keeps the calls
+  completed before the cut and drops the incomplete rest: it is neither a call nor content.
+* Streaming cannot take back what it has sent. A call is streamed when it is complete (its ``id`` and
+  name, then its arguments), so a malformed or cut call is never streamed as a call; after a
+  malformed one the rest of the output from that call on is streamed as content. Calls completed
+  before it stay sent. So streaming and ``extract`` agree exactly (names, arguments, content) for
+  output that parses and for output cut in its tool region.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ class DeltaMessage:
 # What ``ToolParser._step`` reports about the tool region from ``self._pos`` on.
 @dataclass
 class More:
-    """Nothing more can be decided without more text; ``name`` is the current call's name once known."""
+    """Nothing more can be decided without more text; ``name`` is the current call's name once known
+    (it is not sent before the call is complete)."""
 
     name: str | None = None
 
@@ -148,23 +151,27 @@ class ToolParser(ABC):
         self._region_start: int | None = None
         self._raw_start = 0  # the start of what a malformed region would send as content
         self._calls: list[ToolCall] = []
-        self._header: tuple[str, str] | None = None  # (id, name) of the call whose name is out
         self._finished = False
         self._malformed = False
+        self._cut = False  # the output ended (truncated) inside the tool region; its rest was dropped
 
     # -- the public API ---------------------------------------------------------------------------
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        """The tool calls in a complete output, or the whole text as content when there are none or
-        the output does not parse. Leaves this instance's streaming state alone."""
+    def extract(self, text: str, truncated: bool = False) -> ExtractedToolCalls:
+        """The tool calls in a finished output, or the whole text as content when there are none or
+        the output does not parse. ``truncated``: the output was cut short (``max_tokens``); a tool
+        region it ends in keeps its complete calls and loses the rest. Leaves this instance's
+        streaming state alone."""
         parser = self._fresh()
         parser.feed(text)
-        parser.finish()
-        if parser._malformed or not parser._calls:
+        parser.finish(truncated)
+        if parser._malformed or not (parser._calls or parser._cut):
             return ExtractedToolCalls(tools_called=False, tool_calls=[], content=text)
         assert parser._region_start is not None
         return ExtractedToolCalls(
-            tools_called=True, tool_calls=list(parser._calls), content=text[: parser._region_start] or None
+            tools_called=bool(parser._calls),
+            tool_calls=list(parser._calls),
+            content=text[: parser._region_start] or None,
         )
 
     def feed(self, delta_text: str) -> DeltaMessage:
@@ -174,13 +181,14 @@ class ToolParser(ABC):
         self._text += delta_text
         return self._run(final=False)
 
-    def finish(self) -> DeltaMessage:
+    def finish(self, truncated: bool = False) -> DeltaMessage:
         """Ends the output: sends held-back content, and the unparsed rest of an incomplete region as
-        content."""
+        content, unless ``truncated`` (cut short by ``max_tokens``): then an incomplete region's rest
+        is dropped."""
         if self._finished:
             return DeltaMessage()
         self._finished = True
-        return self._run(final=True)
+        return self._run(final=True, truncated=truncated)
 
     def _fresh(self) -> ToolParser:
         """A new parser of the same format and ids, for :meth:`extract`."""
@@ -201,7 +209,7 @@ class ToolParser(ABC):
 
     # -- the engine ---------------------------------------------------------------------------------
 
-    def _run(self, final: bool) -> DeltaMessage:
+    def _run(self, final: bool, truncated: bool = False) -> DeltaMessage:
         content: list[str] = []
         deltas: list[DeltaToolCall] = []
         text = self._text
@@ -216,33 +224,28 @@ class ToolParser(ABC):
         while self._mode == "tools":
             step = self._step(final)
             if isinstance(step, More) and final:
-                step = Bad()
-            if isinstance(step, Call) and self._header is not None and self._header[1] != step.name:
+                if truncated:  # cut inside the region: the complete calls stay, the rest is dropped
+                    self._cut = True
+                    self._mode = "done"
+                    self._pos = len(text)
+                    break
                 step = Bad()
             if isinstance(step, Skip):
                 self._pos = step.end
             elif isinstance(step, Call):
                 index = len(self._calls)
-                if self._header is None:
-                    call_id = self._id_factory()
-                    deltas.append(DeltaToolCall(index=index, id=call_id, name=step.name))
-                else:
-                    call_id = self._header[0]
+                call_id = self._id_factory()
+                deltas.append(DeltaToolCall(index=index, id=call_id, name=step.name))
                 deltas.append(DeltaToolCall(index=index, arguments=step.arguments))
                 self._calls.append(ToolCall(id=call_id, function=FunctionCall(step.name, step.arguments)))
-                self._header = None
                 self._pos = self._raw_start = step.end
             elif isinstance(step, More):
-                if step.name is not None and self._header is None:
-                    self._header = (self._id_factory(), step.name)
-                    deltas.append(DeltaToolCall(index=len(self._calls), id=self._header[0], name=step.name))
                 break
             elif isinstance(step, Done) and self._calls:
                 self._mode = "done"
             else:  # Bad, or a region that ended without a call
                 self._malformed = True
                 self._mode = "raw"
-                self._header = None
                 self._pos = self._raw_start
         if self._mode == "raw" and self._pos < len(text):
             content.append(text[self._pos :])
