@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -34,6 +35,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestOutput",

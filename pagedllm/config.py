@@ -105,6 +105,13 @@ class EngineConfig:
     # use of its cores and runs its kernels on the cores left (see pagedllm.worker.cpu_threads); off:
     # always the process's torch thread count. Ranks of a parallel engine keep fixed threads.
     adapt_cpu_threads: bool = True
+    # LoRA adapters (pagedllm.lora): requests may name one (``lora_request``); ``max_loras`` of them run
+    # in one step (slots sized for ``max_lora_rank``), ``max_cpu_loras`` stay read in host memory
+    # (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         names = self.served_model_name
@@ -182,6 +189,26 @@ class EngineConfig:
             raise ValueError(
                 f"max_step_time_ms must be a number of milliseconds >= 0 (0: off), got {self.max_step_time_ms}."
             )
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and {self.max_lora_rank}."
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})."
+            )
+        if self.enable_lora:
+            if self.world_size > 1 or self.nnodes > 1:
+                raise ValueError(
+                    "enable_lora: LoRA adapters run on one rank (not with tensor_parallel_size or "
+                    "pipeline_parallel_size above 1)."
+                )
+            if self.speculative_config is not None:
+                raise ValueError(
+                    "enable_lora: LoRA adapters do not run with speculative_config (speculative decoding)."
+                )
+            if self.task == "embed":
+                raise ValueError("enable_lora: LoRA adapters apply to task 'generate', not 'embed'.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -127,7 +128,7 @@ class Request:
     max_tokens, eos_token_ids, arrival_time,      and ``generator`` change as tokens are accepted and
     prompt, parent_id, index, bad_words_token_ids, sampled, the fields never)
     grammar, prefill_leader, generator,
-    pooling_params
+    pooling_params, lora_request
     priority                                      engine (``add_request``), before scheduling
     arrival_order, status, num_cached_tokens,     scheduler
     num_preemptions, first_scheduled_time
@@ -193,6 +194,8 @@ class Request:
     # Set for a pooling (embedding) request: its prompt is computed whole in one step and pooled;
     # nothing is sampled (``params`` are then the defaults, read by nobody) and it finishes there.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
@@ -214,6 +217,11 @@ class Request:
         if self.params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed + self.index)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def all_token_ids(self) -> list[int]:

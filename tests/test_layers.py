@@ -2,12 +2,13 @@
 
 Layers, top to bottom (docs/ARCHITECTURE.md):
 
-    entrypoints  ->  engine  ->  sched, worker, distributed  ->  model, sample, structured  ->  attention
+    entrypoints  ->  engine  ->  sched, worker, distributed  ->  lora  ->  model, sample, structured
+    ->  attention
     ->  kernels
 
 A module may import its own package, any package below it, and packages beside it in the same layer as
 long as no cycle forms. The shared vocabulary (``config``, ``errors``, ``request``, ``sampling_params``,
-``pooling_params``, ``outputs``, ``utils``) may be imported from anywhere and imports only itself.
+``pooling_params``, ``outputs``, ``utils``, ``lora_request``) may be imported from anywhere and imports only itself.
 Every import counts, including those inside functions and under ``TYPE_CHECKING``. Between packages of
 one layer, only the arrows listed in ``SAME_LAYER_ARROWS`` (the ones there are) may exist, and no
 other pair both ways: a new one is a decision to write down there and in docs/ARCHITECTURE.md.
@@ -47,11 +48,22 @@ LAYERS: list[set[str]] = [
     {"__init__", "__main__", "entrypoints"},
     {"engine"},
     {"sched", "worker", "distributed"},
+    {"lora"},
     {"model", "sample", "spec", "structured"},
     {"attention"},
     {"kernels"},
 ]
-SHARED = {"config", "errors", "inputs", "request", "sampling_params", "pooling_params", "outputs", "utils"}
+SHARED = {
+    "config",
+    "errors",
+    "inputs",
+    "request",
+    "sampling_params",
+    "pooling_params",
+    "outputs",
+    "utils",
+    "lora_request",
+}
 # The arrows between packages of one layer, pinned where they are: the worker reads the scheduler's
 # output and uses the process groups; speculative decoding samples as the sampler does; the top
 # layer's entry points.

@@ -36,6 +36,7 @@ from pagedllm.engine.errors import EngineDeadError, RequestAbortedError
 from pagedllm.engine.observe.metrics import EngineMetrics, RequestTimes
 from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.engine.observe.step_events import StepRecord
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -138,6 +139,7 @@ class AsyncEngineClient:
         prompt: str | list[int],
         params: SamplingParams | PoolingParams,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Hand a request on (called with ``_lock`` held, so that commands keep the callers' order)."""
         raise NotImplementedError
@@ -204,7 +206,12 @@ class AsyncEngineClient:
         return f"{prefix}-{next(self._ids)}"
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and wait until the engine has accepted it.
 
@@ -215,7 +222,7 @@ class AsyncEngineClient:
         the finished one; closing or abandoning the iterator early aborts the request.
         """
         self.check_priority(priority)
-        return self._iterate(await self._submit(request_id, prompt, params, priority))
+        return self._iterate(await self._submit(request_id, prompt, params, priority, lora_request))
 
     async def encode(
         self, request_id: str, prompt: list[int], params: PoolingParams, priority: int = 0
@@ -237,7 +244,12 @@ class AsyncEngineClient:
         return item
 
     async def _submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, priority: int
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Hand a request to the engine thread and wait until the engine has accepted it."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
@@ -251,7 +263,7 @@ class AsyncEngineClient:
                 raise EngineDeadError(self.dead_message())
             check_new_request_id(request_id, self._streams)
             self._streams[request_id] = stream
-            self._send_add(stream, prompt, params, priority)
+            self._send_add(stream, prompt, params, priority, lora_request)
         try:
             await stream.accepted
         except BaseException:
@@ -265,9 +277,11 @@ class AsyncEngineClient:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (as ``params.output_kind`` asks) until it finishes."""
-        outputs = await self.add_request(request_id or self.new_request_id(), prompt, params, priority)
+        rid = request_id or self.new_request_id()
+        outputs = await self.add_request(rid, prompt, params, priority, lora_request)
         async for output in outputs:
             yield output
 

@@ -33,6 +33,7 @@ from pagedllm.engine.errors import EngineDeadError, QueueFullError, RequestAbort
 from pagedllm.engine.observe.engine_state import EngineCall, EngineStateAccess
 from pagedllm.engine.observe.metrics import EngineMetrics
 from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -127,8 +128,11 @@ class AsyncLLMEngine(EngineStateAccess, AsyncEngineClient):
         prompt: str | list[int],
         params: SamplingParams | PoolingParams,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        self.core.submit(AddCommand(stream.request_id, prompt, params, priority, stream.times.arrival))
+        self.core.submit(
+            AddCommand(stream.request_id, prompt, params, priority, stream.times.arrival, lora_request)
+        )
 
     def _send_abort(self, request_ids: list[str]) -> None:
         self.core.submit(AbortCommand(request_ids))

@@ -173,6 +173,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             num_kv_blocks=num_blocks,
             max_num_seqs=config.max_num_seqs,
         ),
+        lora_registry=executor.lora.registry if executor.lora is not None else None,
     )
     pooling_config: PoolingConfig | None = None
     if task == "embed":
@@ -203,6 +204,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             preemption_mode=config.preemption_mode,
             costs=executor.preemption_costs,
             max_step_time_s=resolve_step_time(config, task, executor.device.type, interleaved),
+            max_loras=config.max_loras if config.enable_lora else 0,
         ),
         kv_cache_manager,
     )

@@ -36,6 +36,7 @@ from pagedllm.engine.errors import grammar_timeout_error, queue_full_error
 from pagedllm.engine.observe.engine_state import EngineCall
 from pagedllm.engine.observe.metrics import StatLogger
 from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class SyncEngine(Protocol):
         params: SamplingParams | PoolingParams | None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -103,6 +105,7 @@ class AddCommand:
     params: SamplingParams | PoolingParams | None  # None: the engine's defaults
     priority: int = 0
     arrival: float | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @property
     def num_sequences(self) -> int:
@@ -329,7 +332,12 @@ class EngineCore:
                 return
         try:
             self.engine.add_request(
-                cmd.request_id, cmd.prompt, cmd.params, cmd.arrival, priority=cmd.priority
+                cmd.request_id,
+                cmd.prompt,
+                cmd.params,
+                cmd.arrival,
+                priority=cmd.priority,
+                lora_request=cmd.lora_request,
             )
         except Exception as exc:  # noqa: BLE001 - a refused request reports to its caller
             self.transport.rejected(cmd.request_id, exc)

@@ -26,6 +26,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_processor import PoolingProcessor
 from pagedllm.errors import RequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
@@ -69,6 +70,7 @@ class EngineTask(Protocol):
         params: SamplingParams | PoolingParams | None,
         arrival_time: float | None,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request (its priority already checked); RequestError naming the
         field, changing nothing."""
@@ -119,6 +121,7 @@ class GenerateTask:
         params: SamplingParams | PoolingParams | None,
         arrival_time: float | None,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if isinstance(params, PoolingParams):
             raise RequestError(
@@ -129,7 +132,7 @@ class GenerateTask:
         params = params or SamplingParams()
         output_processor = self.output_processor
         check_new_request_id(request_id, output_processor.parents)
-        processed = self.input_processor.process(request_id, prompt, params, arrival_time)
+        processed = self.input_processor.process(request_id, prompt, params, arrival_time, lora_request)
         sequence_ids = [s.request_id for s in processed.sequences]
         check_sequence_ids(request_id, sequence_ids, output_processor.sequences)
         output_processor.add_request(request_id, processed.prompt, processed.sequences)
@@ -184,6 +187,7 @@ class PoolingTask:
         params: SamplingParams | PoolingParams | None,
         arrival_time: float | None,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if isinstance(params, SamplingParams):
             how = "a decoder model" if self.encoder else "this model"
@@ -192,6 +196,8 @@ class PoolingTask:
                 f"This engine runs task 'embed' ({self.model_name}): it embeds (LLM.embed, /v1/embeddings) "
                 f"and does not generate; to generate, start {how} with task='generate' (--task generate).",
             )
+        if lora_request is not None:
+            raise RequestError("lora_request", "LoRA adapters apply to generation; this engine embeds.")
         request = self.pooling.make_request(request_id, prompt, params or PoolingParams(), arrival_time)
         request.priority = priority
         self.scheduler.add_request(request)

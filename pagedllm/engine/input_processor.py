@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.errors import RequestError, context_length_error
+from pagedllm.lora.registry import LoRARegistry
+from pagedllm.lora_request import LoRARequest
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -62,7 +64,15 @@ class ProcessedRequest:
 class InputProcessor:
     """Tokenization and validation of requests, before anything reaches the scheduler."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], limits: InputLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        limits: InputLimits,
+        lora_registry: LoRARegistry | None = None,
+    ) -> None:
+        """``lora_registry``: where requests' adapters are read and checked (None: LoRA is off)."""
+        self.lora_registry = lora_registry
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.limits = limits
@@ -80,6 +90,22 @@ class InputProcessor:
                     self.tokenizer, self.limits.vocab_size, self.eos_token_ids
                 )
             return self._structured_output_manager
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """RequestError naming the field when ``lora_request`` cannot run here."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(
+                "lora_request", f"lora_request must be a LoRARequest, got {type(lora_request).__name__}."
+            )
+        if self.lora_registry is None:
+            raise RequestError(
+                "lora_request",
+                f"lora_request names adapter {lora_request.lora_name!r} but LoRA is off: start the engine "
+                "with enable_lora=True (--enable-lora).",
+            )
+        self.lora_registry.get(lora_request)
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (None when given as ids) and token ids; ValueError when empty or out of
@@ -102,9 +128,12 @@ class InputProcessor:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
-        """Validate and build the sequences of one request (ids ``request_id`` or ``{i}_{request_id}``)."""
+        """Validate and build the sequences of one request (ids ``request_id`` or ``{i}_{request_id}``);
+        ``lora_request``'s adapter is read and checked here (first use) before anything is queued."""
         limits = self.limits
+        self.check_lora(lora_request)
         if params.n > limits.max_num_seqs:
             raise RequestError(
                 "n",
@@ -164,6 +193,7 @@ class InputProcessor:
                     if grammar is not None
                     else None,
                     prefill_leader=sequences[0] if sequences else None,
+                    lora_request=lora_request,
                 )
             )
         return ProcessedRequest(text, sequences)

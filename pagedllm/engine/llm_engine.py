@@ -17,6 +17,7 @@ from pagedllm.engine.engine_checks import check_priority
 from pagedllm.engine.engine_tasks import FAULT_INJECTION_ENV
 from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.engine.observe.step_events import StepEvents
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.pooling import PoolingConfig
 from pagedllm.model.tokenizer import render_chat
@@ -169,12 +170,14 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request: SamplingParams for a generate engine, PoolingParams for an
         embed engine (None: the defaults of either). ``priority`` orders requests under the ``priority``
-        policy (lower first; only 0 under ``fcfs``). Raises RequestError naming the field, changing nothing."""
+        policy (lower first; only 0 under ``fcfs``); ``lora_request`` names the adapter it runs with
+        (an engine with ``enable_lora``). Raises RequestError naming the field, changing nothing."""
         check_priority(priority, self.scheduler.config.policy, wire=False)
-        self.task_strategy.add_request(request_id, prompt, params, arrival_time, priority)
+        self.task_strategy.add_request(request_id, prompt, params, arrival_time, priority, lora_request)
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:

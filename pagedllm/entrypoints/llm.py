@@ -13,7 +13,9 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, beam_search
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import RequestError
 from pagedllm.inputs import PromptType, parse_prompt
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -76,6 +78,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of ``prompts``.
 
@@ -83,10 +86,13 @@ class LLM:
         ``{"prompt_token_ids": ids}``; :mod:`pagedllm.inputs`); a single one may be passed bare.
         ``sampling_params`` is one for all prompts or one per prompt; None means
         :meth:`get_default_sampling_params`. ``priority``: one integer per prompt, for an engine
-        with ``scheduling_policy="priority"`` (lower values run first).
+        with ``scheduling_policy="priority"`` (lower values run first). ``lora_request``: the adapter
+        every prompt runs with, or one per prompt (None entries: the base model), for an engine with
+        ``enable_lora=True``.
         """
         self._require_task("generate", "LLM.generate")
         prompt_list = _as_prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(
@@ -112,9 +118,11 @@ class LLM:
         params_list = [final_only.get(id(params), params) for params in params_list]
         ids = []
         try:
-            for prompt, params, urgency in zip(prompt_list, params_list, priorities, strict=True):
+            for prompt, params, urgency, lora in zip(
+                prompt_list, params_list, priorities, loras, strict=True
+            ):
                 rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, params, priority=urgency)
+                self.llm_engine.add_request(rid, prompt, params, priority=urgency, lora_request=lora)
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)
@@ -128,6 +136,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (chat template applied).
 
@@ -145,7 +154,7 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
@@ -249,3 +258,22 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [parse_prompt(items)]
     return [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(items)]
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if isinstance(lora_request, str | bytes) or not isinstance(lora_request, Sequence):
+        raise RequestError(
+            "lora_request",
+            f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}.",
+        )
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise RequestError(
+            "lora_request", f"lora_request has {len(loras)} entries but there are {count} prompts."
+        )
+    return loras

@@ -15,14 +15,22 @@ from pagedllm.sched.host_tier import HostTier
 _ROOT_HASH = 0x5EED_0F_B10C5
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """The chained hashes of the full blocks of ``token_ids`` (at most ``max_blocks``), as a
-    prefix-caching KV cache manager with this block size registers them."""
+def root_hash(lora_int_id: int = 0) -> int:
+    """The start of a request's hash chain: one per LoRA adapter (0: the base model), so that blocks
+    computed under one adapter are never served to a request of another or of the base model."""
+    return _ROOT_HASH if not lora_int_id else hash((_ROOT_HASH, lora_int_id))
+
+
+def prompt_block_hashes(
+    token_ids: list[int], block_size: int, max_blocks: int | None = None, lora_int_id: int = 0
+) -> list[int]:
+    """The chained hashes of the full blocks of ``token_ids`` (at most ``max_blocks``) under adapter
+    ``lora_int_id``, as a prefix-caching KV cache manager with this block size registers them."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
     out: list[int] = []
-    parent = _ROOT_HASH
+    parent = root_hash(lora_int_id)
     for i in range(n):
         parent = hash_block(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
         out.append(parent)
@@ -138,7 +146,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        parent = _ROOT_HASH
+        parent = root_hash(request.lora_int_id)
         host = self.host
         for i in range(max_blocks):
             tokens = self._block_tokens(request, i)
@@ -316,7 +324,7 @@ class KVCacheManager:
         num_full = (request.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         if not self.enable_caching or num_full <= len(request.block_hashes):
             return []  # nothing new (most decode steps)
-        parent = request.block_hashes[-1] if request.block_hashes else _ROOT_HASH
+        parent = request.block_hashes[-1] if request.block_hashes else root_hash(request.lora_int_id)
         registered = []
         for i in range(len(request.block_hashes), num_full):
             tokens = self._block_tokens(request, i)

@@ -37,6 +37,10 @@ class SchedulerConfig:
     # step's predicted time stays under it. Not with ``whole_prompts`` nor ``interleaved_steps``
     # above 1 (token budget only).
     max_step_time_s: float | None = None
+    # LoRA: the most distinct adapters among running requests (the worker's adapter slots); 0: no
+    # adapters. A request whose adapter would exceed it waits (in order: nothing behind it is
+    # admitted first), so it runs as soon as a running adapter's requests have all finished.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_step_time_s is not None and (self.whole_prompts or self.interleaved_steps > 1):
@@ -124,7 +128,8 @@ class Scheduler:
     by arrival (preempted requests re-enter at its front), ``running`` by admission (the newest last),
     ``swapped`` by arrival. Priority: all by ``(priority, arrival)``, lower priority values first. A
     request is in at most one queue; finished and aborted requests are in none and hold no blocks.
-    Only ``running`` requests hold device blocks; only ``swapped`` ones hold host-tier blocks.
+    Only ``running`` requests hold device blocks; only ``swapped`` ones hold host-tier blocks. With
+    LoRA (``max_loras`` > 0), ``running`` holds requests of at most ``max_loras`` distinct adapters.
 
     Each step: running decodes first (1 token each), then running requests' unfinished prefills
     continue in chunks, then waiting requests fill the remaining token budget, under
@@ -407,6 +412,7 @@ class Scheduler:
                 num_new <= 0
                 or len(out.scheduled_requests) >= most
                 or len(self.running) >= self.config.max_num_seqs
+                or not self._adapter_fits(request)
                 or not self.kv_cache_manager.swap_in(request, num_new)
             ):
                 return budget, True
@@ -437,7 +443,7 @@ class Scheduler:
         cached prefix); returns how many, or None (nothing changed) when there is no room for it:
         ``max_num_seqs`` running, too few free blocks, or too little budget for a whole prompt."""
         request = self.waiting[idx]
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) >= self.config.max_num_seqs or not self._adapter_fits(request):
             return None
         computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
         num_new = self._chunk(out, num_cached, request.num_tokens - num_cached, budget)
@@ -458,6 +464,14 @@ class Scheduler:
         self._insert(self.running, request)
         self._schedule(out, request, num_new)
         return num_new
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether ``request`` may join ``running`` without more than ``max_loras`` distinct adapters."""
+        lid = request.lora_int_id
+        if not lid or not self.config.max_loras:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_int_id}
+        return lid in running or len(running) < self.config.max_loras
 
     def _schedule(
         self, out: SchedulerOutput, request: Request, num_tokens: int, drafts: list[int] | None = None

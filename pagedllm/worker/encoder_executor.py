@@ -33,7 +33,9 @@ from pagedllm.model.tokenizer import load_tokenizer, with_chat_template
 from pagedllm.sched.preemption import PreemptionCosts
 from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.cpu_memory import keep_freed_memory, trim_freed_memory
-from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, to_device
+from pagedllm.worker.devices import resolve_device, resolve_dtype, to_device
+from pagedllm.worker.lora_steps import LoRAWorker
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import RunnerOutput
 
@@ -111,6 +113,7 @@ class EncoderExecutor:
     # -- what an encoder does not have (see ModelExecutor) ----------------------------------------
     num_host_kv_blocks = 0  # no host tier: nothing is kept between steps
     preemption_costs: PreemptionCosts | None = None
+    lora: LoRAWorker | None = None  # adapters apply to generation only
 
     @property
     def matryoshka_dimensions(self) -> tuple[int, ...] | None:

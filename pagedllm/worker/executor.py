@@ -18,6 +18,7 @@ import torch
 
 from pagedllm.attention.selector import choose_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.lora.registry import LoRAConfig
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint
 from pagedllm.model.quantization import check_before_loading, settle_weights
@@ -27,7 +28,9 @@ from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.worker.cpu_memory import anonymous_resident_bytes, trim_freed_memory, weight_memory
 from pagedllm.worker.cpu_threads import ThreadGovernor
 from pagedllm.worker.cuda_graphs import graph_memory_estimate
-from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagedllm.worker.devices import resolve_device, resolve_dtype
+from pagedllm.worker.lora_steps import LoRAWorker
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import RunnerOutput
 from pagedllm.worker.swap import HostKVCache, forward_parameters, measure_costs
@@ -93,6 +96,18 @@ class Executor:
             quantization=config.quantization,
         )
         del ckpt, weights
+        self.lora: LoRAWorker | None = None
+        if config.enable_lora:
+            self.lora = self.runner.enable_lora(
+                LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+            )
+            logger.info(
+                "LoRA: %d adapter slot(s) of rank up to %d (%.1f MiB); CUDA graphs and the native decode "
+                "layers are off with adapters.",
+                config.max_loras,
+                config.max_lora_rank,
+                self.lora.slot_bytes / 2**20,
+            )
         self.num_kv_blocks = self._agree_kv_blocks(self._num_kv_blocks())
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         if self.device.type == "cpu":
@@ -108,7 +123,7 @@ class Executor:
             self.preemption_costs = measure_costs(
                 self.model_config, self.runner.kv_cache, self.host_kv, forward_parameters(self.model_config)
             )
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.lora is None:
             self.runner.capture_cuda_graphs(config.max_num_seqs)
         elif self.device.type == "cpu" and not config.enforce_eager:
             self.runner.enable_native_decode()

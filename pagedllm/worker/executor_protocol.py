@@ -13,6 +13,7 @@ than a type to test for.
 - The preemption cost model: ``preemption_costs`` (None: not measured, no host tier).
 - Generation and pooling: :meth:`launch` (an encoder raises: it does not generate) and :meth:`pool`.
 - Going idle: :meth:`release_idle_memory` (the CPU's freed activations back to the OS).
+- LoRA adapters: ``lora`` (None where they are off).
 - The paged model runner, for introspection: ``runner`` (an encoder raises ValueError: it has none).
 """
 
@@ -26,6 +27,7 @@ from pagedllm.model.bert import BertConfig
 from pagedllm.model.config import ModelConfig
 from pagedllm.sched.preemption import PreemptionCosts
 from pagedllm.sched.scheduler import SchedulerOutput
+from pagedllm.worker.lora_steps import LoRAWorker
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import RunnerOutput
@@ -81,6 +83,11 @@ class ModelExecutor(Protocol):
     @property
     def runner(self) -> ModelRunner:
         """The paged model runner (ValueError where the executor has none: an encoder)."""
+        ...
+
+    @property
+    def lora(self) -> LoRAWorker | None:
+        """The LoRA adapters' slots and registry (None: adapters are off)."""
         ...
 
     # -- the KV cache -----------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from pagedllm.kernels.cpu.library import cpu_flags
 from pagedllm.kernels.cpu.linear import optimize_cpu_linears
 from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.kernels.cpu.row_paths import prompt_rows
+from pagedllm.lora.mapping import LoRAMapping, lora_rows
+from pagedllm.lora.registry import LoRAConfig
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_decode import NativeDecodeLayers, unsupported_reason
 from pagedllm.model.empty_init import empty_modules, to_empty
@@ -31,7 +33,9 @@ from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.spec.rejection import draft_tensor, rejection_sample, verify_greedy
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.cuda_graphs import CUDAGraphRunner
+from pagedllm.worker.devices import to_device
 from pagedllm.worker.kv_cache import KVCache
+from pagedllm.worker.lora_steps import LoRAWorker
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import PromptLogprobsChunk, RunnerOutput, VerifiedSamples
 from pagedllm.worker.step_inputs import StepInputBuilder
@@ -40,27 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Prompt positions whose logprobs are computed together (each holds a vocabulary of float32 logits).
 PROMPT_LOGPROBS_POSITIONS = 256
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without blocking the host: through pinned memory on CUDA."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
 
 
 @dataclass
@@ -74,6 +57,8 @@ class BatchInputs:
     # Per flat-batch row: a prompt token (its position below its request's prompt length), whose
     # quantized products take the AMX tiles where they run; None where the rows are not known.
     prompt_rows: np.ndarray | None = None
+    # The rows that run a LoRA adapter, by slot (None: every row runs the base model).
+    lora: LoRAMapping | None = None
 
 
 @dataclass
@@ -142,6 +127,7 @@ class ModelRunner:
         self._cuda_graphs: CUDAGraphRunner | None = None
         self.native_decode: NativeDecodeLayers | None = None
         self.previous_tokens: PreviousTokens | None = None
+        self.lora: LoRAWorker | None = None
         # Rows for every request that can run at once (tables up to max_model_len), shared by the
         # eager path and the CUDA graphs.
         self.input_builder = StepInputBuilder(block_size, max_num_seqs, -(-max_model_len // block_size))
@@ -257,11 +243,20 @@ class ModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
+    def enable_lora(self, config: LoRAConfig) -> LoRAWorker:
+        """Wrap the model's projections in LoRA layers with ``config.max_loras`` slots (before any
+        CUDA graph or native decode is set up: those run the base model only)."""
+        assert self.cuda_graphs is None and self.native_decode is None
+        self.lora = LoRAWorker(self.model, self.config, config, self.device, self.dtype)
+        return self.lora
+
     def enable_native_decode(self) -> None:
         """Run decode-only steps through :class:`NativeDecodeLayers` from now on, where the model,
         device and attention backend allow it (logged either way)."""
         assert self.kv_cache is not None, "allocate the KV cache first"
-        reason = unsupported_reason(self.model, self.backend.name)
+        reason = (
+            "LoRA adapters" if self.lora is not None else unsupported_reason(self.model, self.backend.name)
+        )
         if reason is None:
             self.native_decode = NativeDecodeLayers(self.model, self.kv_cache.layers)
             logger.info("Decode-only steps run the decoder layers in one native call.")
@@ -293,7 +288,9 @@ class ModelRunner:
         )
         input_ids = to_device(torch.from_numpy(host.token_ids), dev)
         self._fill_pending_tokens(scheduler_output, input_ids, host.query_start_loc[1:] - 1)
+        lora = self.lora.mapping(scheduler_output, host.query_start_loc) if self.lora is not None else None
         return BatchInputs(
+            lora=lora,
             input_ids=input_ids,
             positions=to_device(torch.from_numpy(host.positions), dev),
             meta=meta,
@@ -379,10 +376,11 @@ class ModelRunner:
             # (the native layers run every row on the integer kernels: decode rows only)
             return self.native_decode(inputs.input_ids, inputs.positions, inputs.meta)
         ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
-        if mask is None:
-            return self.model(inputs.input_ids, inputs.positions, ctx)
-        with prompt_rows(mask):
-            return self.model(inputs.input_ids, inputs.positions, ctx)
+        with lora_rows(inputs.lora):
+            if mask is None:
+                return self.model(inputs.input_ids, inputs.positions, ctx)
+            with prompt_rows(mask):
+                return self.model(inputs.input_ids, inputs.positions, ctx)
 
     def logits_of(
         self, hidden: torch.Tensor, rows: torch.Tensor | slice, prompt: np.ndarray | None = None

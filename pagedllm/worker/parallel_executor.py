@@ -44,8 +44,8 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
 from pagedllm.sched.scheduler import SchedulerOutput
 from pagedllm.utils import die_with_parent
+from pagedllm.worker.devices import resolve_device
 from pagedllm.worker.executor import Executor
-from pagedllm.worker.model_runner import resolve_device
 from pagedllm.worker.parallel_runner import ParallelModelRunner
 from pagedllm.worker.phase_times import StepPhaseTimes
 from pagedllm.worker.runner_output import RunnerOutput

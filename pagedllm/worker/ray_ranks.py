@@ -223,7 +223,7 @@ def start_ray_ranks(config: EngineConfig, port: int, serve_rank: ServeRank) -> R
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from pagedllm.worker.model_runner import resolve_device
+    from pagedllm.worker.devices import resolve_device
 
     use_gpu = resolve_device(config.device).type == "cuda"
     count = config.world_size - 1

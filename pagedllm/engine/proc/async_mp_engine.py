@@ -27,6 +27,7 @@ from pagedllm.engine.observe.metrics import EngineMetrics
 from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.engine.observe.step_events import StepRecord, StepRing
 from pagedllm.engine.proc.core_client import CoreClient
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -122,10 +123,11 @@ class AsyncMPEngine(AsyncEngineClient):
         prompt: str | list[int],
         params: SamplingParams | PoolingParams,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         try:
             text, ids = tokenize_prompt(self.tokenizer, prompt, self.info.vocab_size)
-            self.client.add(stream.request_id, text, ids, params, priority)
+            self.client.add(stream.request_id, text, ids, params, priority, lora_request)
         except ValueError as exc:
             del self._streams[stream.request_id]  # the caller holds _lock
             stream.fail(exc)

@@ -65,6 +65,7 @@ from pagedllm.engine.proc.protocol import (
     Welcome,
     rejection_error,
 )
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -119,6 +120,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams | PoolingParams
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -258,11 +260,12 @@ class CoreClient:
         prompt_ids: list[int],
         params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Send a request to a core; the listener hears ``accepted`` or ``rejected`` for it (the
         caller has checked ``priority`` with :func:`~pagedllm.engine.engine_checks.check_priority`;
         a value no message can carry is refused as the request cannot be sent)."""
-        self._put(_Add(request_id, prompt, prompt_ids, params, priority))
+        self._put(_Add(request_id, prompt, prompt_ids, params, priority, lora_request))
 
     def abort(self, request_ids: list[str]) -> None:
         self._put(_Abort(request_ids))
@@ -420,7 +423,8 @@ class CoreClient:
             self.listener.rejected(cmd.request_id, EngineDeadError(self.dead_message()))
             return
         assert self.router is not None
-        rank = self.router.choose(cmd.prompt_ids, loads)
+        lora_int_id = cmd.lora_request.lora_int_id if cmd.lora_request is not None else 0
+        rank = self.router.choose(cmd.prompt_ids, loads, lora_int_id)
         core = self.cores[rank]
         params = cmd.params
         if isinstance(params, SamplingParams):
@@ -436,6 +440,7 @@ class CoreClient:
         else:
             message = AddRequest(cmd.request_id, cmd.prompt_ids, pooling=params, priority=cmd.priority)
             n = 1
+        message.lora = cmd.lora_request  # the adapter it runs with (a pooling core refuses one)
         try:
             payload = self.codec.encode(message)
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
@@ -450,7 +455,7 @@ class CoreClient:
             return
         self._owner[cmd.request_id] = (rank, n)
         core.in_flight += n
-        self.router.routed(rank, cmd.prompt_ids)
+        self.router.routed(rank, cmd.prompt_ids, lora_int_id)
 
     def _finish(self, request_id: str) -> None:
         owner = self._owner.pop(request_id, None)

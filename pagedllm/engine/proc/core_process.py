@@ -222,7 +222,15 @@ class _CoreIO:
                 # Outputs travel as deltas (the front-end adds them up for a caller that wants
                 # cumulative outputs): the output processor makes them.
                 message.sampling.output_kind = RequestOutputKind.DELTA
-            self._submit(AddCommand(message.request_id, message.prompt_token_ids, params, message.priority))
+            self._submit(
+                AddCommand(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    params,
+                    message.priority,
+                    lora_request=message.lora,
+                )
+            )
         elif isinstance(message, AbortRequests):
             self._submit(AbortCommand(message.request_ids))
         elif isinstance(message, Shutdown):

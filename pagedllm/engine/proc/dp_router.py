@@ -45,8 +45,9 @@ class PrefixRouter:
         self.index: dict[int, OrderedDict[int, None]] = {r: OrderedDict() for r in ranks}
         self._turn = itertools.count()
 
-    def choose(self, prompt_token_ids: list[int], loads: dict[int, int]) -> int:
-        """The rank for a prompt, among the living cores (the keys of ``loads``, with their loads)."""
+    def choose(self, prompt_token_ids: list[int], loads: dict[int, int], lora_int_id: int = 0) -> int:
+        """The rank for a prompt (under adapter ``lora_int_id``, 0: none), among the living cores (the
+        keys of ``loads``, with their loads)."""
         if not loads:
             raise ValueError("no living core to route to")
         ranks = sorted(loads)
@@ -55,7 +56,7 @@ class PrefixRouter:
             return ranks[turn % len(ranks)]
         least = min(loads.values())
         hashes = prompt_block_hashes(
-            prompt_token_ids, self.block_size, (len(prompt_token_ids) - 1) // self.block_size
+            prompt_token_ids, self.block_size, (len(prompt_token_ids) - 1) // self.block_size, lora_int_id
         )
         best_rank, best_len = -1, 0
         for rank in ranks:
@@ -74,12 +75,12 @@ class PrefixRouter:
         idle = [r for r in ranks if loads[r] == least]
         return idle[turn % len(idle)]
 
-    def routed(self, rank: int, prompt_token_ids: list[int]) -> None:
+    def routed(self, rank: int, prompt_token_ids: list[int], lora_int_id: int = 0) -> None:
         """Record that a prompt went to ``rank`` (its full blocks will be cached there); nothing to
         record when the index is never read (one core, or round robin)."""
         if self.policy == "round_robin" or len(self.index) < 2:
             return
-        self.add(rank, prompt_block_hashes(prompt_token_ids, self.block_size))
+        self.add(rank, prompt_block_hashes(prompt_token_ids, self.block_size, lora_int_id=lora_int_id))
 
     def add(self, rank: int, hashes: Sequence[int]) -> None:
         index = self.index.setdefault(rank, OrderedDict())

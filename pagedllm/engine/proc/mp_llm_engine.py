@@ -35,6 +35,7 @@ from pagedllm.engine.proc.launch import (
     frontend_addresses,
     start_local_cores,
 )
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.loader import load_model_tokenizer
 from pagedllm.model.tokenizer import render_chat, with_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -173,9 +174,10 @@ class MPLLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Send a request to a core. Raises ValueError at once for an empty or out-of-vocabulary
-        prompt, a reused id, parameters of the other task or a ``priority`` that is not an integer
+        """Send a request to a core (with its adapter, ``lora_request``). Raises ValueError at once for
+        an empty or out-of-vocabulary prompt, a reused id, parameters of the other task or a ``priority`` that is not an integer
         (or not 0 under ``fcfs``); the core's own checks raise from the next :meth:`step`."""
         if self._sink.dead is not None:
             raise EngineDeadError(self.client.dead_message())
@@ -193,7 +195,7 @@ class MPLLMEngine:
             params = PoolingParams() if self.task == "embed" else SamplingParams()
         text, ids = self.tokenize(prompt)
         self._unfinished.add(request_id)
-        self.client.add(request_id, text, ids, params, priority)
+        self.client.add(request_id, text, ids, params, priority, lora_request)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -30,6 +30,7 @@ from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.observe.stats import EngineStats
 from pagedllm.engine.observe.step_events import StepRecord
 from pagedllm.errors import RequestError, request_error
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -43,6 +44,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     sampling: SamplingParams | None = None  # a generate request
     pooling: PoolingParams | None = None  # an embed request
     priority: int = 0  # lower first, under the "priority" scheduling policy
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 def undecodable_request(raw: bytes, exc: Exception) -> tuple[str | None, str | None]:

@@ -202,6 +202,13 @@ async def list_models(raw_request: Request) -> Response:
         ModelCard(id=name, root=root, max_model_len=max_model_len, generation_config=generation_config)
         for name in serving.served_model_names
     ]
+    base = serving.served_model_names[0]
+    cards += [
+        ModelCard(
+            id=name, root=lora.lora_path, parent=lora.base_model_name or base, max_model_len=max_model_len
+        )
+        for name, lora in serving.completion.lora_modules.items()
+    ]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
@@ -326,6 +333,7 @@ def build_app(
         "max_logprobs": settings.max_logprobs,
         "tokenizer": private_tokenizer(engine.tokenizer),
         "preprocessor": preprocessor,
+        "lora_modules": settings.lora_modules,
     }
     app.state.serving = Serving(
         engine=engine,

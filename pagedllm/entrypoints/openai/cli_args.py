@@ -19,8 +19,10 @@ from pagedllm.entrypoints.openai.limits import (
     PROMPT_BYTES_PER_TOKEN,
     RequestLimits,
 )
+from pagedllm.entrypoints.openai.lora_modules import parse_lora_modules
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, StoreLimits
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.lora_request import LoRARequest
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 # The reasoning parsers' names (listed here so that ``--help`` does not import them).
@@ -37,6 +39,8 @@ class ServerSettings:
     """Server options that are not engine arguments."""
 
     served_model_names: list[str]
+    # LoRA adapters by the name requests give (--lora-modules).
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     # Any of these keys is accepted ('Authorization: Bearer KEY'); none: no key is asked for.
     api_keys: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -303,6 +307,14 @@ def add_output_parser_args(parser: argparse.ArgumentParser) -> None:
         "given); needs --tool-call-parser.",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='LoRA adapters served by name (NAME=PATH, or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}); needs --enable-lora. A request\'s model field picks one.',
+    )
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         choices=REASONING_PARSER_NAMES,
@@ -330,6 +342,10 @@ def check_args(args: argparse.Namespace) -> str | None:
     problem = check_output_parser_args(args) or check_parallel_args(args)
     if problem is not None:
         return problem
+    try:
+        parse_lora_modules(args.lora_modules, args.enable_lora, [])
+    except ValueError as exc:
+        return str(exc)
     if not args.chat_template_timeout > 0:
         return f"--chat-template-timeout must be positive, got {args.chat_template_timeout}."
     if not args.request_read_timeout > 0:
@@ -406,6 +422,7 @@ def settings_from_args(
 ) -> ServerSettings:
     return ServerSettings(
         served_model_names=list(served_model_names),
+        lora_modules=parse_lora_modules(args.lora_modules, args.enable_lora, list(served_model_names)),
         api_keys=api_keys_from_args(args),
         max_request_body_bytes=args.max_request_body_bytes,
         request_read_timeout=args.request_read_timeout,

@@ -158,6 +158,7 @@ class OpenAIServingChat(GenerationServing):
             [(engine_id, prompt_ids, params)],
             priority=request.priority,
             aliases=aliases,
+            lora_request=self.lora_for(request.model),
             stream=(
                 lambda outputs: self._stream(
                     request, request_id, created, len(prompt_ids), outputs[0], plan, reasoning

@@ -97,6 +97,7 @@ class OpenAIServingCompletion(GenerationServing):
             requests,
             priority=request.priority,
             aliases=aliases,
+            lora_request=self.lora_for(request.model),
             stream=(lambda outputs: self._stream(request, base_id, created, prompts, outputs))
             if request.stream
             else None,

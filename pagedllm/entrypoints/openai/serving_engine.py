@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
     SamplingRequest,
 )
 from pagedllm.errors import context_length_error as engine_context_length_error
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.token_bytes import TokenBytes, display_token
 from pagedllm.outputs import BeamSearchOutput, Logprob
 from pagedllm.outputs import PromptLogprobs as EnginePromptLogprobs
@@ -106,9 +107,11 @@ class OpenAIServing:
         max_logprobs: int = 20,
         tokenizer: Any = None,
         preprocessor: Preprocessor | None = None,
+        lora_modules: dict[str, LoRARequest] | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.lora_modules = lora_modules or {}
         self.max_logprobs = max_logprobs
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self._token_bytes: TokenBytes | None = None  # built on the first chat logprobs
@@ -131,11 +134,15 @@ class OpenAIServing:
     # ------------------------------------------------------------------ checks
 
     def check_model(self, model: str | None) -> None:
-        if model is None or model in self.served_model_names:
+        if model is None or model in self.served_model_names or model in self.lora_modules:
             return
         raise OpenAIError(
             f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
         )
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return self.lora_modules.get(model) if model is not None else None
 
     @staticmethod
     def check_fields(request: OpenAIBaseModel, documented: dict[str, FieldRule] | None = None) -> None:

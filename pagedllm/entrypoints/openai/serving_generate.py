@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, error_from_exception
 from pagedllm.entrypoints.openai.streaming import SSEResponse, merge_async_iterators, run_until_disconnected
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class GenerationServing(OpenAIServing):
         *,
         priority: int,
         aliases: dict[str, str],
+        lora_request: LoRARequest | None = None,
         stream: Callable[[Outputs], AsyncIterator[str]] | None,
         respond: Callable[[list[RequestOutput]], BaseModel],
     ) -> Response:
@@ -80,7 +82,9 @@ class GenerationServing(OpenAIServing):
         iterators: Outputs = []
         try:
             for rid, prompt_ids, params in requests:
-                iterators.append(await self.engine.add_request(rid, prompt_ids, params, priority))
+                iterators.append(
+                    await self.engine.add_request(rid, prompt_ids, params, priority, lora_request)
+                )
         except Exception as exc:
             self.engine.abort(ids)
             raise error_from_exception(exc, aliases) from None
