@@ -54,8 +54,16 @@ class _Engine:
         return self.grammars
 
     def add_request(
-        self, request_id: str, prompt: Any, params: Any, arrival_time: Any = None, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        arrival_time: Any = None,
+        priority: int = 0,
+        lora_request: Any = None,
     ) -> None:
+        if lora_request is not None:
+            raise RequestError("lora_request", "this engine has no adapters.")
         if not prompt:
             raise RequestError("prompt", "prompt must not be empty.")
         self.waiting.append(request_id)

@@ -17,6 +17,7 @@ import pytest
 from helpers.server import SMALL_ENGINE_ARGS, RemoteServer, parse_metrics
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pagedllm.engine.observe.stats import EngineStats
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -719,7 +720,10 @@ class ScriptedEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        if lora_request is not None:
+            raise ValueError("this engine has no adapters.")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty.")
