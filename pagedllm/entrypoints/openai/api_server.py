@@ -59,6 +59,7 @@ from pagedllm.entrypoints.openai.cli_args import (
 from pagedllm.entrypoints.openai.dashboard import router as dashboard_router
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.http_timeouts import timed_h11_protocol
+from pagedllm.entrypoints.openai.lora_routes import router as lora_router
 from pagedllm.entrypoints.openai.middleware import (
     GENERATION_ERRORS,
     HEALTH_ERRORS,
@@ -357,6 +358,8 @@ def build_app(
     app.add_middleware(GuardMiddleware, settings=settings, state=state)
     install_error_handlers(app)
     app.include_router(router)
+    if settings.runtime_lora_updating:
+        app.include_router(lora_router)
     if not settings.disable_dashboard:
         app.include_router(dashboard_router)
     return app

@@ -41,6 +41,9 @@ class ServerSettings:
     served_model_names: list[str]
     # LoRA adapters by the name requests give (--lora-modules).
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-runtime-lora-updating).
+    runtime_lora_updating: bool = False
+    max_lora_rank: int = 16  # the engine's (adapters loaded at run time are checked against it)
     # Any of these keys is accepted ('Authorization: Bearer KEY'); none: no key is asked for.
     api_keys: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -315,6 +318,12 @@ def add_output_parser_args(parser: argparse.ArgumentParser) -> None:
         '"base_model_name": ...}); needs --enable-lora. A request\'s model field picks one.',
     )
     parser.add_argument(
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key); "
+        "needs --enable-lora and one front-end.",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         choices=REASONING_PARSER_NAMES,
@@ -342,8 +351,15 @@ def check_args(args: argparse.Namespace) -> str | None:
     problem = check_output_parser_args(args) or check_parallel_args(args)
     if problem is not None:
         return problem
+    if args.enable_runtime_lora_updating and not args.enable_lora:
+        return "--enable-runtime-lora-updating needs --enable-lora."
+    if args.enable_runtime_lora_updating and args.api_server_count > 1:
+        return (
+            "--enable-runtime-lora-updating runs with one front-end (adapters loaded through one "
+            "would be unknown to the others), not with --api-server-count above 1."
+        )
     try:
-        parse_lora_modules(args.lora_modules, args.enable_lora, [])
+        parse_lora_modules(args.lora_modules, args.enable_lora, [], args.max_lora_rank)
     except ValueError as exc:
         return str(exc)
     if not args.chat_template_timeout > 0:
@@ -422,7 +438,11 @@ def settings_from_args(
 ) -> ServerSettings:
     return ServerSettings(
         served_model_names=list(served_model_names),
-        lora_modules=parse_lora_modules(args.lora_modules, args.enable_lora, list(served_model_names)),
+        lora_modules=parse_lora_modules(
+            args.lora_modules, args.enable_lora, list(served_model_names), args.max_lora_rank
+        ),
+        runtime_lora_updating=args.enable_runtime_lora_updating,
+        max_lora_rank=args.max_lora_rank,
         api_keys=api_keys_from_args(args),
         max_request_body_bytes=args.max_request_body_bytes,
         request_read_timeout=args.request_read_timeout,

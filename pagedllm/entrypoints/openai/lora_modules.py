@@ -1,9 +1,11 @@
 """``--lora-modules``: the adapters a server serves, by the names requests give in ``model``.
 
 Each value is ``name=path`` or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``.
-Adapters get the integer ids 1, 2, ... in the order given. Requests naming an adapter run with it; the
-adapter is read and checked by the engine on its first request (a 400 naming ``lora_path`` if it
-cannot run), and ``/v1/models`` lists it with the base model as its ``parent``.
+Adapters get the integer ids 1, 2, ... in the order given. Each folder and configuration is checked at
+start-up (:func:`pagedllm.lora.peft_config.read_adapter_config`); the weights are read and checked
+against the model by the engine on the adapter's first request (a 400 naming ``lora_path`` if they
+do not fit). Requests naming an adapter run with it, and ``/v1/models`` lists it with the base model
+as its ``parent``.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 
+from pagedllm.errors import RequestError
+from pagedllm.lora.peft_config import read_adapter_config
 from pagedllm.lora_request import LoRARequest
 
 
 def parse_lora_modules(
-    values: list[str] | None, enable_lora: bool, served_names: list[str]
+    values: list[str] | None, enable_lora: bool, served_names: list[str], max_lora_rank: int
 ) -> dict[str, LoRARequest]:
     """The adapters of ``--lora-modules`` by name; ValueError naming the flag and the value at fault."""
     if not values:
@@ -29,7 +33,12 @@ def parse_lora_modules(
             raise ValueError(f"--lora-modules: the name {name!r} is given twice (or is the base model's).")
         if not os.path.exists(path):
             raise ValueError(f"--lora-modules: {name}={path}: no such file or folder.")
-        modules[name] = LoRARequest(name, len(modules) + 1, path, base)
+        lora = LoRARequest(name, len(modules) + 1, path, base)
+        try:
+            read_adapter_config(lora, max_lora_rank)
+        except RequestError as exc:
+            raise ValueError(f"--lora-modules: {exc}") from None
+        modules[name] = lora
     return modules
 
 

@@ -208,7 +208,11 @@ class OpenAIServingChat(GenerationServing):
             total_tokens=len(prompt_ids) + completion_tokens,
         )
         response = ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.reported_model(request.model),
+            choices=choices,
+            usage=usage,
         )
         return JSONResponse(response.model_dump())
 
@@ -250,7 +254,7 @@ class OpenAIServingChat(GenerationServing):
         return ChatCompletionResponse(
             id=request_id,
             created=created,
-            model=self.model_name,
+            model=self.reported_model(request.model),
             choices=choices,
             usage=_usage(final),
             prompt_logprobs=(
@@ -281,7 +285,7 @@ class OpenAIServingChat(GenerationServing):
             body = ChatCompletionStreamResponse(
                 id=request_id,
                 created=created,
-                model=self.model_name,
+                model=self.reported_model(request.model),
                 choices=[choice],
                 usage=usage.info() if continuous else None,
             )
@@ -291,7 +295,7 @@ class OpenAIServingChat(GenerationServing):
             lambda index, text: ChatCompletionStreamResponse(
                 id=request_id,
                 created=created,
-                model=self.model_name,
+                model=self.reported_model(request.model),
                 choices=[ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=text))],
             )
         )
@@ -360,7 +364,11 @@ class OpenAIServingChat(GenerationServing):
                     )
             if include_usage:
                 final = ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage.info()
+                    id=request_id,
+                    created=created,
+                    model=self.reported_model(request.model),
+                    choices=[],
+                    usage=usage.info(),
                 )
                 yield sse_event(final.model_dump_json())
         except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started

@@ -147,7 +147,11 @@ class OpenAIServingCompletion(GenerationServing):
             total_tokens=prompt_tokens + completion_tokens,
         )
         response = CompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.reported_model(request.model),
+            choices=choices,
+            usage=usage,
         )
         return JSONResponse(response.model_dump())
 
@@ -210,7 +214,11 @@ class OpenAIServingCompletion(GenerationServing):
                 )
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=self._usage(finals)
+            id=request_id,
+            created=created,
+            model=self.reported_model(request.model),
+            choices=choices,
+            usage=self._usage(finals),
         )
 
     @staticmethod
@@ -266,7 +274,7 @@ class OpenAIServingCompletion(GenerationServing):
             lambda index, text: CompletionStreamResponse(
                 id=request_id,
                 created=created,
-                model=self.model_name,
+                model=self.reported_model(request.model),
                 choices=[CompletionResponseChoice(index=index, text=text)],
             )
         )
@@ -302,7 +310,7 @@ class OpenAIServingCompletion(GenerationServing):
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self.model_name,
+                        model=self.reported_model(request.model),
                         choices=[
                             CompletionResponseChoice(
                                 index=index,
@@ -317,7 +325,11 @@ class OpenAIServingCompletion(GenerationServing):
                     yield sse_event(chunk.model_dump_json())
             if include_usage:
                 final = CompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage.info()
+                    id=request_id,
+                    created=created,
+                    model=self.reported_model(request.model),
+                    choices=[],
+                    usage=usage.info(),
                 )
                 yield sse_event(final.model_dump_json())
         except Exception as exc:  # noqa: BLE001 - reported in-band once the stream has started

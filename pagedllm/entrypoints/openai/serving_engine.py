@@ -140,6 +140,10 @@ class OpenAIServing:
             f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
         )
 
+    def reported_model(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter the request named, else the served name."""
+        return model if model is not None and model in self.lora_modules else self.model_name
+
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model)."""
         return self.lora_modules.get(model) if model is not None else None
