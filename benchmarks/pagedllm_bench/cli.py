@@ -25,6 +25,10 @@ BENCHMARKS = {
         "pagedllm_bench.serve",
         "Online serving benchmark against a running 'pagedllm serve' (streaming /v1/completions).",
     ),
+    "lora": (
+        "pagedllm_bench.lora",
+        "Requests spread over LoRA adapters against the base model alone, and an adapter's load time and memory.",
+    ),
     "startup": (
         "pagedllm_bench.startup",
         "Time 'pagedllm serve' from launch to its first healthy answer, and from SIGTERM to exit.",

@@ -3,12 +3,19 @@
 
 The base layer is whatever the model holds (float panels, GGUF blocks, nn.Linear); it stays as it is
 and the adapters add in float. A slot holds an adapter's pairs of every sub-projection of the fused
-module packed for one product each way: rows ``[i * r, (i + 1) * r)`` of ``a_slots[slot]`` are sub
-``i``'s A (``r`` the adapter's rank), and columns ``[i * r, (i + 1) * r)`` of ``b_slots[slot]`` its B,
-in the rows of sub ``i``'s output; everything else in the slot is zero. So one step runs two products
-per slot used (``x @ A.T``, then ``@ B.T``), whatever the number of requests: on the CPU one pair of
-BLAS products per slot on its rows, on a GPU one launch each of the segmented Triton kernels
-(:mod:`pagedllm.kernels.triton.lora`) for all slots at once.
+module packed for one product each way, ``K = num_subs * max_rank`` wide: ranks ``[i * r, (i + 1) *
+r)`` are sub ``i``'s (``r`` the adapter's rank), its A over the input and its B into the columns of
+sub ``i``'s output; everything else in the slot is zero, so products over all ``K`` ranks are exact.
+
+Two kernels, chosen on construction:
+
+- ``"torch"`` (the CPU's): ``a_slots`` ``[slots, in, K]`` and ``b_slots`` ``[slots, K, out]``, the
+  layouts in which the BLAS multiplies fastest. A step with one slot runs two products on its rows;
+  with several, the rows of every slot are gathered into one padded batch (see
+  :class:`~pagedllm.lora.mapping.PaddedRows`): one gather, two batched products, one scatter-add,
+  however many slots and requests.
+- ``"triton"`` (a GPU's): ``a_slots`` ``[slots, K, in]`` and ``b_slots`` ``[slots, out, K]``, read by
+  one launch each of the segmented shrink and expand kernels (:mod:`pagedllm.kernels.triton.lora`).
 """
 
 from __future__ import annotations
@@ -18,14 +25,15 @@ from torch import nn
 
 from pagedllm.kernels.triton.lora import lora_expand_add, lora_shrink
 from pagedllm.lora.adapter import SubLoRA
-from pagedllm.lora.mapping import current_mapping
+from pagedllm.lora.mapping import LoRAMapping, current_mapping
+
+KERNELS = ("torch", "triton")
 
 
 class LoRALinear(nn.Module):
     """``base(x)`` plus each row's adapter product. Invariant: ``ranks[s]`` is the rank of the adapter
-    in slot ``s`` (0: empty or not targeting this module), and ``a_slots[s]`` / ``b_slots[s]`` are
-    zero outside that adapter's pairs (an empty slot is all zeros). ``kernel``: "torch" (BLAS
-    products per slot) or "triton" (the segmented kernels; the default on CUDA)."""
+    in slot ``s`` (0: empty, or it does not target this module), and slot ``s`` is zero outside that
+    adapter's pairs (an empty slot is all zeros)."""
 
     def __init__(
         self,
@@ -36,6 +44,7 @@ class LoRALinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernel: str | None = None,
     ) -> None:
         super().__init__()
         self.base = base
@@ -44,15 +53,21 @@ class LoRALinear(nn.Module):
         self.offsets = [sum(sub_sizes[:i]) for i in range(len(sub_sizes))]
         self.out_features = sum(sub_sizes)
         self.num_subs = len(sub_sizes)
-        rows = self.num_subs * max_rank
+        if kernel is None:
+            kernel = "triton" if device.type == "cuda" else "torch"
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}.")
+        self.kernel = kernel
+        self.k = k = self.num_subs * max_rank
+        if kernel == "torch":
+            a_shape, b_shape = (max_loras, in_features, k), (max_loras, k, self.out_features)
+        else:
+            a_shape, b_shape = (max_loras, k, in_features), (max_loras, self.out_features, k)
         self.a_slots: torch.Tensor
         self.b_slots: torch.Tensor
-        self.register_buffer("a_slots", torch.zeros(max_loras, rows, in_features, dtype=dtype, device=device))
-        self.register_buffer(
-            "b_slots", torch.zeros(max_loras, self.out_features, rows, dtype=dtype, device=device)
-        )
+        self.register_buffer("a_slots", torch.zeros(a_shape, dtype=dtype, device=device))
+        self.register_buffer("b_slots", torch.zeros(b_shape, dtype=dtype, device=device))
         self.ranks = [0] * max_loras
-        self.kernel = "triton" if device.type == "cuda" else "torch"
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -63,13 +78,20 @@ class LoRALinear(nn.Module):
         self.clear_slot(slot)
         if subs is None or all(s is None for s in subs):
             return
-        a, b = self.a_slots[slot], self.b_slots[slot]
+        a = torch.zeros(self.k, self.in_features)
+        b = torch.zeros(self.out_features, self.k)
         for i, sub in enumerate(subs):
             if sub is None:
                 continue
             ranks = slice(i * rank, (i + 1) * rank)
-            a[ranks].copy_(sub.a)
-            b[self.offsets[i] : self.offsets[i] + self.sub_sizes[i], ranks].copy_(sub.b)
+            a[ranks] = sub.a
+            b[self.offsets[i] : self.offsets[i] + self.sub_sizes[i], ranks] = sub.b
+        if self.kernel == "torch":
+            self.a_slots[slot].copy_(a.t())
+            self.b_slots[slot].copy_(b.t())
+        else:
+            self.a_slots[slot].copy_(a)
+            self.b_slots[slot].copy_(b)
         self.ranks[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
@@ -88,16 +110,39 @@ class LoRALinear(nn.Module):
             segments = mapping.segment_tensors(x2.device)
             t = lora_shrink(x2.to(self.a_slots.dtype), self.a_slots, *segments, mapping.max_seg_len)
             lora_expand_add(y2, t, self.b_slots, *segments, mapping.max_seg_len)
-            return y
-        for slot, rows in mapping.groups:
-            k = self.num_subs * self.ranks[slot]
-            if k == 0:
-                continue
-            xs = x2[rows] if isinstance(rows, slice) else x2.index_select(0, rows)
-            shrunk = torch.mm(xs.to(self.a_slots.dtype), self.a_slots[slot, :k].t())
-            delta = torch.mm(shrunk, self.b_slots[slot, :, :k].t()).to(y2.dtype)
-            if isinstance(rows, slice):
-                y2[rows] += delta
-            else:
-                y2.index_add_(0, rows, delta)
+        elif len(mapping.groups) == 1:
+            self._add_one_slot(x2, y2, *mapping.groups[0])
+        else:
+            self._add_batched(x2, y2, mapping)
         return y
+
+    def _add_one_slot(
+        self, x2: torch.Tensor, y2: torch.Tensor, slot: int, rows: slice | torch.Tensor
+    ) -> None:
+        """One slot's rows: two products on them."""
+        if not self.ranks[slot]:
+            return
+        xs = x2[rows] if isinstance(rows, slice) else x2.index_select(0, rows)
+        delta = torch.mm(torch.mm(xs.to(self.a_slots.dtype), self.a_slots[slot]), self.b_slots[slot])
+        if isinstance(rows, slice):
+            y2[rows] += delta.to(y2.dtype)
+        else:
+            y2.index_add_(0, rows, delta.to(y2.dtype))
+
+    def _add_batched(self, x2: torch.Tensor, y2: torch.Tensor, mapping: LoRAMapping) -> None:
+        """Several slots: one gather of their rows into a padded batch, two batched products, one
+        scatter-add."""
+        plan = mapping.padded()
+        if not any(self.ranks[s] for s in plan.slots):
+            return
+        count = len(plan.slots)
+        if plan.slots == tuple(range(count)):
+            a, b = self.a_slots[:count], self.b_slots[:count]
+        else:
+            a, b = self.a_slots[plan.slot_index], self.b_slots[plan.slot_index]
+        xs = x2.index_select(0, plan.index).view(count, plan.longest, self.in_features)
+        shrunk = torch.bmm(xs.to(a.dtype), a)
+        if plan.mask is not None:
+            shrunk.mul_(plan.mask)
+        delta = torch.bmm(shrunk, b).view(count * plan.longest, self.out_features)
+        y2.index_add_(0, plan.index, delta.to(y2.dtype))

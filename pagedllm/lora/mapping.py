@@ -32,6 +32,16 @@ class LoRAMapping:
         default_factory=dict, compare=False, repr=False
     )
 
+    # The batched plan of the CPU kernel (built once per step, on first use): see :meth:`padded`.
+    _padded: list[PaddedRows] = field(default_factory=list, compare=False, repr=False)
+
+    def padded(self) -> PaddedRows:
+        """The rows of every slot used, gathered into one ``[slots, longest, ...]`` batch (see
+        :class:`PaddedRows`)."""
+        if not self._padded:
+            self._padded.append(PaddedRows.of(self.groups))
+        return self._padded[0]
+
     @property
     def max_seg_len(self) -> int:
         return max(self.seg_lens, default=0)
@@ -68,6 +78,35 @@ class LoRAMapping:
             tuple(int(e - s) for s, e in zip(starts[keep], ends[keep], strict=True)),
             tuple(int(slots[s]) for s in starts[keep]),
         )
+
+
+@dataclass(frozen=True)
+class PaddedRows:
+    """Every slot's rows in one batch, for products batched over slots (``torch.bmm``): row ``j`` of
+    slot ``i`` (the ``i``-th of ``slots``) is flat row ``index[i * longest + j]``. Slots with fewer
+    rows than ``longest`` repeat their first row; ``mask`` (``[slots, longest, 1]``, 1.0 for real
+    rows, 0.0 for repeats; None when no slot needed padding) zeroes what the repeats would add."""
+
+    slots: tuple[int, ...]
+    slot_index: torch.Tensor  # the slots as an int64 tensor
+    longest: int
+    index: torch.Tensor  # [slots * longest] int64
+    mask: torch.Tensor | None
+
+    @classmethod
+    def of(cls, groups: tuple[tuple[int, slice | torch.Tensor], ...]) -> PaddedRows:
+        rows = [
+            torch.arange(r.start, r.stop, dtype=torch.int64) if isinstance(r, slice) else r for _, r in groups
+        ]
+        longest = max(len(r) for r in rows)
+        index = torch.stack([torch.cat((r, r[:1].expand(longest - len(r)))) for r in rows]).reshape(-1)
+        mask = None
+        if any(len(r) < longest for r in rows):
+            mask = torch.zeros(len(rows), longest, 1)
+            for i, r in enumerate(rows):
+                mask[i, : len(r)] = 1.0
+        slots = tuple(slot for slot, _ in groups)
+        return cls(slots, torch.tensor(slots, dtype=torch.int64), longest, index, mask)
 
 
 def _rows(index: np.ndarray) -> slice | torch.Tensor:
