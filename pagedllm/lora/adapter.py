@@ -114,7 +114,19 @@ def _collect(
         if proj not in targets:
             raise refuse(f"LoRA adapter {name!r}: weights for {proj} but target_modules does not list it.")
         subs = adapter.modules.setdefault((layer, target.module), [None] * _num_subs(known, target.module))
-        subs[target.sub] = SubLoRA(a.float().contiguous(), (b.float() * adapter.scaling).contiguous())
+        b = b.float() * adapter.scaling
+        if cfg.rope_interleaved and proj in ("q_proj", "k_proj"):
+            # The model keeps llama.cpp's GGUF order of q/k rows: each head's rotary halves interleaved.
+            heads = cfg.num_attention_heads if proj == "q_proj" else cfg.num_key_value_heads
+            b = interleave_rotary_rows(b, heads)
+        subs[target.sub] = SubLoRA(a.float().contiguous(), b.contiguous())
+
+
+def interleave_rotary_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """HF's q/k output rows ``(head, half, i)`` in llama.cpp's GGUF order ``(head, i, half)`` (the
+    inverse of :func:`pagedllm.model.gguf_loader.unpermute_rotary_rows`)."""
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, 2, half, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def _num_subs(known: dict[str, Target], module: str) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu.decode_layers import MAX_LORA_SEGMENTS, MAX_LORA_WIDTH, LoRASlotsView
 from pagedllm.kernels.triton.lora import lora_expand_add, lora_shrink
 from pagedllm.lora.adapter import SubLoRA
 from pagedllm.lora.mapping import LoRAMapping, current_mapping
@@ -68,6 +69,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("a_slots", torch.zeros(a_shape, dtype=dtype, device=device))
         self.register_buffer("b_slots", torch.zeros(b_shape, dtype=dtype, device=device))
         self.ranks = [0] * max_loras
+        # ``ranks`` as a tensor, for the native decode layers (which read it at every step).
+        self.rank_table = torch.zeros(max_loras, dtype=torch.int64)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -93,11 +96,23 @@ class LoRALinear(nn.Module):
             self.a_slots[slot].copy_(a)
             self.b_slots[slot].copy_(b)
         self.ranks[slot] = rank
+        self.rank_table[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
         self.a_slots[slot].zero_()
         self.b_slots[slot].zero_()
         self.ranks[slot] = 0
+        self.rank_table[slot] = 0
+
+    def native_slots(self) -> LoRASlotsView | None:
+        """The slots as the native decode layers read them (None where they cannot: another kernel's
+        layout, not float32 on the CPU, or too many or too wide slots)."""
+        a = self.a_slots
+        if self.kernel != "torch" or a.dtype != torch.float32 or a.device.type != "cpu":
+            return None
+        if a.shape[0] > MAX_LORA_SEGMENTS or a.shape[2] > MAX_LORA_WIDTH:
+            return None
+        return LoRASlotsView(a, self.b_slots, self.rank_table, tuple(self.sub_sizes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.kernels.cpu.decode_layers import LoRAPlan
+
 
 @dataclass(frozen=True)
 class LoRAMapping:
@@ -34,6 +36,20 @@ class LoRAMapping:
 
     # The batched plan of the CPU kernel (built once per step, on first use): see :meth:`padded`.
     _padded: list[PaddedRows] = field(default_factory=list, compare=False, repr=False)
+    _native: list[LoRAPlan] = field(default_factory=list, compare=False, repr=False)
+
+    def native_plan(self) -> LoRAPlan:
+        """The rows grouped by slot as the native decode layers read them (built once per step)."""
+        if not self._native:
+            rows = [
+                torch.arange(r.start, r.stop, dtype=torch.int64) if isinstance(r, slice) else r
+                for _, r in self.groups
+            ]
+            lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+            starts = torch.cumsum(lens, 0) - lens
+            slots = torch.tensor([slot for slot, _ in self.groups], dtype=torch.int64)
+            self._native.append(LoRAPlan(torch.cat(rows), starts, lens, slots))
+        return self._native[0]
 
     def padded(self) -> PaddedRows:
         """The rows of every slot used, gathered into one ``[slots, longest, ...]`` batch (see

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.kernels.cpu.decode_layers import DecodeLayersKernel, DecodeLayerTensors, DecodeShape
+from pagedllm.kernels.cpu.decode_layers import (
+    DecodeLayersKernel,
+    DecodeLayerTensors,
+    DecodeShape,
+    LoRAPlan,
+    LoRASlotsView,
+)
 from pagedllm.kernels.cpu.library import kernels_available
 from pagedllm.kernels.cpu.linear import PanelLinear
 from pagedllm.kernels.cpu.quant_linear import QuantLinear
@@ -38,7 +44,15 @@ def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str |
     if norm.dtype != torch.float32 or norm.device.type != "cpu":
         return "not a float32 CPU model"
     for layer in _decoder_layers(model):
-        linears = _linears(layer)
+        unwrapped = [_unwrap(m) for m in _linears(layer)]
+        linears = tuple(m for m, _ in unwrapped)
+        if any(slots is not None and isinstance(m, QuantLinear) for m, slots in unwrapped):
+            # Not yet: on GGUF blocks the native layers' adapter sums drift from the Python forward's.
+            return "LoRA adapters over GGUF blocks"
+        if any(m is not base for m, (base, _) in zip(_linears(layer), unwrapped, strict=True)) and any(
+            slots is None for _, slots in unwrapped
+        ):
+            return "LoRA adapter slots the native layers cannot read"
         if not all(isinstance(m, (PanelLinear, QuantLinear)) for m in linears):
             return "linear layers neither in panel form nor GGUF blocks"
         if any(isinstance(m, QuantLinear) and len(m.parts) > 4 for m in linears):
@@ -66,6 +80,15 @@ def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.M
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _unwrap(module: nn.Module) -> tuple[nn.Module, LoRASlotsView | None]:
+    """``(the projection, its adapter slots or None)``: a projection wrapped by an adapter layer
+    (:class:`pagedllm.lora.layers.LoRALinear`) exposes ``base`` and ``native_slots()``."""
+    native_slots = getattr(module, "native_slots", None)
+    if native_slots is None:
+        return module, None
+    return module.base, native_slots()  # type: ignore[return-value]
+
+
 def _kernel_linear(module: nn.Module) -> PanelLinear | QuantLinear:
     if not isinstance(module, (PanelLinear, QuantLinear)):
         raise ValueError("native decode needs panel or quantized linear layers (see unsupported_reason).")
@@ -87,7 +110,12 @@ class NativeDecodeLayers:
         layers = _decoder_layers(model)
         tensors = []
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            qkv, o, gate_up, down = (_kernel_linear(m) for m in _linears(layer))
+            unwrapped = [_unwrap(m) for m in _linears(layer)]
+            qkv, o, gate_up, down = (_kernel_linear(m) for m, _ in unwrapped)
+            names = ("qkv", "o", "gate_up", "down")
+            lora = {
+                name: slots for name, (_, slots) in zip(names, unwrapped, strict=True) if slots is not None
+            }
             tensors.append(
                 DecodeLayerTensors(
                     input_norm=layer.input_layernorm.weight,
@@ -98,6 +126,7 @@ class NativeDecodeLayers:
                     down=down,
                     k_cache=k_cache,
                     v_cache=v_cache,
+                    lora=lora,
                 )
             )
         shape = DecodeShape(
@@ -114,10 +143,15 @@ class NativeDecodeLayers:
         self.kernel = DecodeLayersKernel(tensors, model.norm.weight, shape)
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRAPlan | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token (all decodes)."""
-        return self.forward_layers(input_ids, positions, meta, final=True)[0]
+        """Hidden states after the final norm, one row per input token (all decodes); ``lora``: the
+        rows' adapter slots (None: every row runs the base model)."""
+        return self.forward_layers(input_ids, positions, meta, final=True, lora=lora)[0]
 
     def forward_layers(
         self,
@@ -126,6 +160,7 @@ class NativeDecodeLayers:
         meta: AttentionMetadata,
         carried: tuple[torch.Tensor, torch.Tensor] | None = None,
         final: bool = False,
+        lora: LoRAPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A pipeline stage's decode rows, as :meth:`LlamaForCausalLM.forward_layers` (``carried``:
         the stage before's ``(x, residual)``); with ``final`` the first item is after the final norm
@@ -143,5 +178,6 @@ class NativeDecodeLayers:
             meta.max_seq_len,
             residual=None if carried is None else carried[1],
             final=final,
+            lora=lora,
         )
         return out, x if residual is None else residual

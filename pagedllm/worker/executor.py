@@ -102,8 +102,7 @@ class Executor:
                 LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
             )
             logger.info(
-                "LoRA: %d adapter slot(s) of rank up to %d (%.1f MiB); CUDA graphs and the native decode "
-                "layers are off with adapters.",
+                "LoRA: %d adapter slot(s) of rank up to %d (%.1f MiB); CUDA graphs are off with adapters.",
                 config.max_loras,
                 config.max_lora_rank,
                 self.lora.slot_bytes / 2**20,

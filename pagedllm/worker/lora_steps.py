@@ -37,7 +37,9 @@ class LoRAWorker:
         layers = add_lora_layers(model, model_config, config.max_loras, config.max_lora_rank, device, dtype)
         self.slots = LoRASlots(layers, config.max_loras)
         self.registry = LoRARegistry(config, model_config)
-        self.slot_bytes = sum(b.numel() * b.element_size() for m in layers.values() for b in m.buffers())
+        self.slot_bytes = sum(
+            t.numel() * t.element_size() for m in layers.values() for t in (m.a_slots, m.b_slots)
+        )
 
     def mapping(self, scheduler_output: SchedulerOutput, query_start_loc: np.ndarray) -> LoRAMapping | None:
         """Put the step's adapters in slots; the rows of each (None: every row runs the base model)."""

@@ -254,9 +254,7 @@ class ModelRunner:
         """Run decode-only steps through :class:`NativeDecodeLayers` from now on, where the model,
         device and attention backend allow it (logged either way)."""
         assert self.kv_cache is not None, "allocate the KV cache first"
-        reason = (
-            "LoRA adapters" if self.lora is not None else unsupported_reason(self.model, self.backend.name)
-        )
+        reason = unsupported_reason(self.model, self.backend.name)
         if reason is None:
             self.native_decode = NativeDecodeLayers(self.model, self.kv_cache.layers)
             logger.info("Decode-only steps run the decoder layers in one native call.")
@@ -374,7 +372,8 @@ class ModelRunner:
         mask = inputs.prompt_rows
         if self.native_decode is not None and inputs.meta.is_decode_only and (mask is None or not mask.any()):
             # (the native layers run every row on the integer kernels: decode rows only)
-            return self.native_decode(inputs.input_ids, inputs.positions, inputs.meta)
+            plan = inputs.lora.native_plan() if inputs.lora is not None else None
+            return self.native_decode(inputs.input_ids, inputs.positions, inputs.meta, plan)
         ctx = ForwardContext(inputs.meta, self.kv_cache.layers, self.backend)
         with lora_rows(inputs.lora):
             if mask is None:

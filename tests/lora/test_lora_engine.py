@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from helpers.model_factory import default_tokenizer
+from helpers.native_decode import CheckedNativeDecode
 from helpers.prompts import REFERENCE_PROMPTS
 from helpers.reference import assert_greedy_close, hf_greedy
 from pagedllm import LLM, LoRARequest, SamplingParams
@@ -140,6 +141,28 @@ def test_a_mixed_batch_equals_peft_row_by_row(
     outputs = llm.generate(prompts, _params(), use_tqdm=False, lora_request=loras)
     _check(outputs, cases, reference)
     llm.llm_engine.check_idle()
+
+
+def test_native_decode_layers_add_the_adapters_as_the_python_forward(
+    peft_model: tuple[Any, dict[str, Path]],
+) -> None:
+    """Decode steps with adapters run in the native layers over float panels; each such step is
+    checked against the Python forward with the same adapters. Over GGUF blocks they are declined
+    (decode steps then take the Python forward)."""
+    _, folders = peft_model
+    llm = LLM(None, enable_lora=True, max_loras=3, **ENGINE)
+    runner = llm.llm_engine.executor.runner
+    assert runner.native_decode is not None
+    checked = CheckedNativeDecode(runner, tolerance=2e-4)
+    runner.native_decode = checked
+    names = [*ADAPTERS, "base"]
+    loras = [None if name == "base" else lora(name, folders) for name in names] * 2
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    llm.generate(prompts, _params(), use_tqdm=False, lora_request=loras)
+    assert checked.batch_sizes and checked.lora_rows > 0
+    llm.llm_engine.check_idle()
+    quantized = LLM(None, enable_lora=True, num_kv_blocks=64, max_model_len=256)
+    assert quantized.llm_engine.executor.runner.native_decode is None
 
 
 def test_prefix_cache_is_keyed_by_adapter(llm: Any, peft_model: tuple[Any, dict[str, Path]]) -> None:

@@ -10,7 +10,7 @@ weight, and when a model qualifies) is :mod:`pagedllm.model.cpu_decode`.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +32,66 @@ class LinearWeightStruct(ctypes.Structure):
         ("data", ctypes.c_void_p * _MAX_PARTS),
         ("bias", ctypes.c_void_p),
         ("amx_min_rows", ctypes.c_int64 * _MAX_PARTS),
+        ("lora_a", ctypes.c_void_p),
+        ("lora_b", ctypes.c_void_p),
+        ("lora_k", ctypes.c_int64),
+        ("lora_ranks", ctypes.c_void_p),
+        ("lora_num_subs", ctypes.c_int64),
+        ("lora_sub_rows", ctypes.c_int64 * _MAX_PARTS),
     ]
 
 
-def linear_weight_struct(module: PanelLinear | QuantLinear) -> LinearWeightStruct:
-    """The C description of a panel or quantized linear layer (pointing into its tensors)."""
+# The most adapter slots and the widest slot (ranks of every sub-projection) the C loop takes.
+MAX_LORA_SEGMENTS = 64
+MAX_LORA_WIDTH = _MAX_PARTS * 256
+
+
+class LoRAPlanStruct(ctypes.Structure):
+    """``lora_plan_t``: segment ``s`` is rows ``order[start[s]:start[s] + len[s]]`` of slot ``slot[s]``."""
+
+    _fields_ = [
+        ("num_segs", ctypes.c_int64),
+        ("order", ctypes.c_void_p),
+        ("start", ctypes.c_void_p),
+        ("len", ctypes.c_void_p),
+        ("slot", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class LoRASlotsView:
+    """A projection's adapter slots as the C loop reads them (see ``linear_weight_t``)."""
+
+    a: torch.Tensor  # [slots, in, K] float32, contiguous: each slot's A, input-major
+    b: torch.Tensor  # [slots, K, out] float32, contiguous: each slot's B, rank-major
+    ranks: torch.Tensor  # [slots] int64: each slot's rank here, 0 for none (kept current by its owner)
+    sub_rows: tuple[int, ...]  # the outputs of each sub-projection, stacked
+
+
+@dataclass(frozen=True)
+class LoRAPlan:
+    """Which decode rows run which slot, as ``lora_plan_t`` reads it (int64 tensors)."""
+
+    order: torch.Tensor  # the rows, grouped by slot
+    start: torch.Tensor  # per segment: its first entry of ``order``
+    len: torch.Tensor
+    slot: torch.Tensor
+
+    def struct(self) -> LoRAPlanStruct:
+        return LoRAPlanStruct(
+            len(self.slot),
+            self.order.data_ptr(),
+            self.start.data_ptr(),
+            self.len.data_ptr(),
+            self.slot.data_ptr(),
+        )
+
+
+def linear_weight_struct(
+    module: PanelLinear | QuantLinear, lora: LoRASlotsView | None = None
+) -> LinearWeightStruct:
+    """The C description of a panel or quantized linear layer (pointing into its tensors), with its
+    adapter slots when ``lora`` is given."""
     if isinstance(module, PanelLinear):
         parts = [(_PANELS, module.out_features, module.panels.data_ptr(), 0)]
     else:
@@ -53,6 +108,18 @@ def linear_weight_struct(module: PanelLinear | QuantLinear) -> LinearWeightStruc
     for i, (type_id, rows, ptr, amx_rows) in enumerate(parts):
         desc.type[i], desc.rows[i], desc.data[i], desc.amx_min_rows[i] = type_id, rows, ptr, amx_rows
     desc.bias = None if bias is None else bias.data_ptr()
+    if lora is not None:
+        slots, width = lora.a.shape[0], lora.a.shape[2]
+        if not (lora.a.is_contiguous() and lora.b.is_contiguous() and lora.a.dtype == torch.float32):
+            raise ValueError("native decode needs contiguous float32 adapter slots.")
+        if slots > MAX_LORA_SEGMENTS or width > MAX_LORA_WIDTH or len(lora.sub_rows) > _MAX_PARTS:
+            raise ValueError(
+                f"native decode takes at most {MAX_LORA_SEGMENTS} slots of width {MAX_LORA_WIDTH}."
+            )
+        desc.lora_a, desc.lora_b, desc.lora_k = lora.a.data_ptr(), lora.b.data_ptr(), width
+        desc.lora_ranks, desc.lora_num_subs = lora.ranks.data_ptr(), len(lora.sub_rows)
+        for i, rows in enumerate(lora.sub_rows):
+            desc.lora_sub_rows[i] = rows
     return desc
 
 
@@ -68,6 +135,8 @@ class DecodeLayerTensors:
     down: PanelLinear | QuantLinear
     k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor
+    # Each projection's adapter slots, by field name ("qkv", "o", "gate_up", "down"); empty: none.
+    lora: dict[str, LoRASlotsView] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,16 +160,17 @@ class DecodeLayersKernel:
     ) -> None:
         self._structs: list[LinearWeightStruct] = []
 
-        def ptr(value: torch.Tensor | PanelLinear | QuantLinear) -> int:
+        def ptr(layer: DecodeLayerTensors, name: str) -> int:
+            value = getattr(layer, name)
             if isinstance(value, (PanelLinear, QuantLinear)):
-                self._structs.append(linear_weight_struct(value))
+                self._structs.append(linear_weight_struct(value, layer.lora.get(name)))
                 return ctypes.addressof(self._structs[-1])
             if not value.is_contiguous():
                 raise ValueError("native decode needs contiguous weights and caches.")
-            return value.data_ptr()
+            return int(value.data_ptr())
 
         names = ["input_norm", "qkv", "o", "post_attention_norm", "gate_up", "down", "k_cache", "v_cache"]
-        flat = [ptr(getattr(layer, name)) for name in names for layer in layers]  # field-major
+        flat = [ptr(layer, name) for name in names for layer in layers]  # field-major
         self._layer_ptrs = (ctypes.c_void_p * len(flat))(*flat)
         self._layers = layers  # keeps the tensors (and the structs' targets) alive
         self._final_norm = final_norm
@@ -119,6 +189,7 @@ class DecodeLayersKernel:
         max_seq_len: int,
         residual: torch.Tensor | None = None,
         final: bool = True,
+        lora: LoRAPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(hidden states after the final norm, None)``, one row per decode row; for a pipeline
         stage that starts from ``residual`` (the residual stream carried with ``x``) or is not the
@@ -138,6 +209,7 @@ class DecodeLayersKernel:
         slots = slot_mapping.to(torch.int64).contiguous()
         tables = block_tables.contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
+        plan = None if lora is None else lora.struct()
         rc = load_library().llama_decode_layers_f32(
             self.num_layers, self._layer_ptrs, self._final_norm.data_ptr() if final else None,
             x.data_ptr(), None if residual_in is None else residual_in.data_ptr(), out.data_ptr(),
@@ -146,6 +218,7 @@ class DecodeLayersKernel:
             positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
             max_seq_len, s.block_size, int(s.rope_interleaved),
+            None if plan is None else ctypes.addressof(plan),
         )  # fmt: skip
         if rc == -1 or rc == -3:
             raise MemoryError("native decode layers: out of memory for scratch buffers.")

@@ -60,7 +60,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     + [_I64] * 6
     + [_F32, _F32]
     + [_PTR] * 5
-    + [_I64, _PTR, _I64, _I64, _I64],
+    + [_I64, _PTR, _I64, _I64, _I64, _PTR],
     "quant_matmul_f32": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "quant_matmul_f32_portable": [_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     "quant_dequantize_f32": [_I64, _PTR, _I64, _I64, _I64, _PTR],
