@@ -130,6 +130,22 @@ def test_each_adapter_alone_equals_peft(
     llm.llm_engine.check_idle()
 
 
+def test_adapters_over_the_gguf_blocks_equal_peft(
+    peft_model: tuple[Any, dict[str, Path]], reference: dict[Any, Any]
+) -> None:
+    """The default model as users run it (GGUF blocks, q/k rows in llama.cpp's order): adapters on
+    q/k/v/o and the MLP give PEFT's tokens by the logprob-close rule (PEFT runs the dequantized
+    weights)."""
+    _, folders = peft_model
+    llm = LLM(None, enable_lora=True, max_loras=3, num_kv_blocks=256, max_model_len=1024)
+    assert llm.llm_engine.model_config.rope_interleaved  # the rows stay in the file's order
+    cases = [(name, p) for p in range(len(PROMPTS)) for name in ADAPTERS]
+    loras = [lora(name, folders) for name, _ in cases]
+    outputs = llm.generate([PROMPTS[p] for _, p in cases], _params(), use_tqdm=False, lora_request=loras)
+    _check(outputs, cases, reference)
+    llm.llm_engine.check_idle()
+
+
 def test_a_mixed_batch_equals_peft_row_by_row(
     llm: Any, peft_model: tuple[Any, dict[str, Path]], reference: dict[Any, Any]
 ) -> None:
