@@ -67,6 +67,29 @@ DRAIN_ARGS = ["--shutdown-timeout", "150"]
 # ------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _serve_process(args: list[str]) -> Iterator[tuple[subprocess.Popen[bytes], Callable[[], str]]]:
+    """``pagedllm serve ARGS`` with its output in a temporary file, and a function that reads that
+    output; the process is killed on the way out if it still runs."""
+    cmd = [sys.executable, "-m", "pagedllm", "serve", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        text: list[str] = []
+
+        def read() -> str:
+            return text[0] if text else ""
+
+        try:
+            yield proc, read
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            log.seek(0)
+            text.append(log.read().decode(errors="replace"))
+
+
 def _tree(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
@@ -551,25 +574,16 @@ def test_injected_fault_fails_the_request_and_the_server_exits() -> None:
 
 def test_missing_model_fails_the_start_and_leaves_nothing() -> None:
     model = f"/nonexistent/{uuid.uuid4().hex}/model.gguf"
-    cmd = [sys.executable, "-m", "pagedllm", "serve", model, "--port", str(free_port()), *SMALL_ENGINE_ARGS]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        seen: dict[int, psutil.Process] = {}
+    seen: dict[int, psutil.Process] = {}
+    with _serve_process([model, "--port", str(free_port()), *SMALL_ENGINE_ARGS]) as (proc, read_output):
         deadline = time.monotonic() + 120
-        try:
-            while proc.poll() is None and time.monotonic() < deadline:
-                with contextlib.suppress(psutil.Error):
-                    for child in psutil.Process(proc.pid).children(recursive=True):
-                        seen.setdefault(child.pid, child)
-                time.sleep(0.05)
-            code = proc.wait(max(1.0, deadline - time.monotonic()))
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        log.seek(0)
-        output = log.read().decode(errors="replace")
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    seen.setdefault(child.pid, child)
+            time.sleep(0.05)
+        code = proc.wait(max(1.0, deadline - time.monotonic()))
+    output = read_output()
     assert code != 0, output
     assert "does not exist" in output and model in output, output
     wait_gone(list(seen.values()))
@@ -687,26 +701,17 @@ def test_sigterm_during_start_up_exits_0_and_leaves_nothing(api_server_count: in
         return False
 
     args = ["--port", str(free_port()), *SMALL_ENGINE_ARGS, "--api-server-count", str(api_server_count)]
-    cmd = [sys.executable, "-m", "pagedllm", "serve", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        tree: list[psutil.Process] = []
-        code: int | None = None
-        try:
-            deadline = time.monotonic() + 120
-            while proc.poll() is None and not started(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if proc.poll() is None:
-                tree = _tree(proc.pid)
-                proc.send_signal(signal.SIGTERM)
-                code = proc.wait(STOP_WITHIN_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        log.seek(0)
-        output = log.read().decode(errors="replace")
+    tree: list[psutil.Process] = []
+    code: int | None = None
+    with _serve_process(args) as (proc, read_output):
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not started(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if proc.poll() is None:
+            tree = _tree(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(STOP_WITHIN_S)
+    output = read_output()
     assert tree, f"the server's processes did not start: {output[-4000:]}"
     assert code == 0, output[-4000:]
     wait_gone(tree)
