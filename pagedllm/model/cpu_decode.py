@@ -44,15 +44,10 @@ def unsupported_reason(model: LlamaForCausalLM, attention_backend: str) -> str |
     if norm.dtype != torch.float32 or norm.device.type != "cpu":
         return "not a float32 CPU model"
     for layer in _decoder_layers(model):
-        unwrapped = [_unwrap(m) for m in _linears(layer)]
-        linears = tuple(m for m, _ in unwrapped)
-        if any(slots is not None and isinstance(m, QuantLinear) for m, slots in unwrapped):
-            # Not yet: on GGUF blocks the native layers' adapter sums drift from the Python forward's.
-            return "LoRA adapters over GGUF blocks"
-        if any(m is not base for m, (base, _) in zip(_linears(layer), unwrapped, strict=True)) and any(
-            slots is None for _, slots in unwrapped
-        ):
-            return "LoRA adapter slots the native layers cannot read"
+        reason = _adapter_reason(layer)
+        if reason is not None:
+            return reason
+        linears = tuple(_unwrap(m)[0] for m in _linears(layer))
         if not all(isinstance(m, (PanelLinear, QuantLinear)) for m in linears):
             return "linear layers neither in panel form nor GGUF blocks"
         if any(isinstance(m, QuantLinear) and len(m.parts) > 4 for m in linears):
@@ -78,6 +73,20 @@ def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.M
     """q/k/v, output, gate/up and down projections, in the order the layer runs them."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _adapter_reason(layer: DecoderLayer) -> str | None:
+    """Why the native layers cannot add ``layer``'s adapters, or None (no adapters, or they can)."""
+    for module in _linears(layer):
+        base, slots = _unwrap(module)
+        if base is module:
+            continue  # no adapter layer
+        if slots is None:
+            return "LoRA adapter slots the native layers cannot read"
+        if isinstance(base, QuantLinear):
+            # Not yet: on GGUF blocks the native layers' adapter sums drift from the Python forward's.
+            return "LoRA adapters over GGUF blocks"
+    return None
 
 
 def _unwrap(module: nn.Module) -> tuple[nn.Module, LoRASlotsView | None]:
