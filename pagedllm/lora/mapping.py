@@ -41,10 +41,7 @@ class LoRAMapping:
     def native_plan(self) -> LoRAPlan:
         """The rows grouped by slot as the native decode layers read them (built once per step)."""
         if not self._native:
-            rows = [
-                torch.arange(r.start, r.stop, dtype=torch.int64) if isinstance(r, slice) else r
-                for _, r in self.groups
-            ]
+            rows = _group_rows(self.groups)
             lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
             starts = torch.cumsum(lens, 0) - lens
             slots = torch.tensor([slot for slot, _ in self.groups], dtype=torch.int64)
@@ -111,9 +108,7 @@ class PaddedRows:
 
     @classmethod
     def of(cls, groups: tuple[tuple[int, slice | torch.Tensor], ...]) -> PaddedRows:
-        rows = [
-            torch.arange(r.start, r.stop, dtype=torch.int64) if isinstance(r, slice) else r for _, r in groups
-        ]
+        rows = _group_rows(groups)
         longest = max(len(r) for r in rows)
         index = torch.stack([torch.cat((r, r[:1].expand(longest - len(r)))) for r in rows]).reshape(-1)
         mask = None
@@ -123,6 +118,13 @@ class PaddedRows:
                 mask[i, : len(r)] = 1.0
         slots = tuple(slot for slot, _ in groups)
         return cls(slots, torch.tensor(slots, dtype=torch.int64), longest, index, mask)
+
+
+def _group_rows(groups: tuple[tuple[int, slice | torch.Tensor], ...]) -> list[torch.Tensor]:
+    """Each group's rows as an int64 index tensor."""
+    return [
+        torch.arange(r.start, r.stop, dtype=torch.int64) if isinstance(r, slice) else r for _, r in groups
+    ]
 
 
 def _rows(index: np.ndarray) -> slice | torch.Tensor:
